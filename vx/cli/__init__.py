@@ -1,0 +1,51 @@
+"""The `vx` command. One place maps errors to exit codes: 0 ok, 1 runtime failure, 2 usage error,
+130 interrupted. User errors print one line on stderr, never a traceback (set VX_DEBUG=1 for one)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+import typer
+
+from ..errors import VxError
+
+app = typer.Typer(
+    name="vx",
+    help="Extract target-layer hidden states from LLMs for speculative-decoding drafters (DFlash, EAGLE-3).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+from . import extract as _extract  # noqa: E402,F401  (registers the command)
+from . import inspect as _inspect  # noqa: E402,F401
+
+
+def main(argv: list[str] | None = None) -> int:
+    command = typer.main.get_command(app)
+    try:
+        rc = command.main(args=argv, prog_name="vx", standalone_mode=False)
+        return rc if isinstance(rc, int) else 0
+    except click.exceptions.Exit as e:
+        return e.exit_code
+    except click.ClickException as e:
+        e.show()
+        return e.exit_code
+    except click.exceptions.Abort:
+        print("vx: aborted", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        print("vx: interrupted; rerun the same command to continue", file=sys.stderr)
+        return 130
+    except VxError as e:
+        if os.environ.get("VX_DEBUG"):
+            raise
+        print(f"vx: error: {e}", file=sys.stderr)
+        return e.exit_code
+
+
+def entry() -> None:
+    sys.exit(main())

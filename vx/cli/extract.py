@@ -1,0 +1,71 @@
+"""`vx extract`: the main job."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from . import app
+from .options import Layers, ModelPath, OutputDir, Progress
+
+
+@app.command(no_args_is_help=True)
+def extract(
+    data: Annotated[Path, typer.Argument(help="JSONL dataset: messages / conversations / text / input_ids lines.")],
+    output: OutputDir = Path("out"),
+    model: ModelPath = None,
+    backend: Annotated[str, typer.Option(help="auto (vllm when installed, else hf), vllm, or hf.")] = "auto",
+    layers: Layers = None,
+    batch_size: Annotated[int, typer.Option(help="hf: max samples per forward.")] = 128,
+    max_batch_tokens: Annotated[int, typer.Option(help="hf: max padded tokens (samples x longest) per forward.")] = 65536,
+    sort_window: Annotated[int, typer.Option(help="hf: samples sorted by length together.")] = 8192,
+    max_length: Annotated[Optional[int], typer.Option(help="Longest sample in tokens; see --overlong.")] = None,
+    overlong: Annotated[str, typer.Option(help="truncate or skip samples over --max-length.")] = "truncate",
+    dtype: Annotated[str, typer.Option(help="Compute dtype: auto (the checkpoint's), bfloat16, float16, float32.")] = "auto",
+    store_dtype: Annotated[str, typer.Option(help="Stored hidden-state dtype: bf16, fp16, fp32.")] = "bf16",
+    shard_size: Annotated[float, typer.Option(help="Target shard size in MB.")] = 1024.0,
+    strict: Annotated[bool, typer.Option(help="Any bad dataset line is fatal, checked before any compute.")] = False,
+    overwrite: Annotated[bool, typer.Option(help="Delete an existing extraction in --output first.")] = False,
+    device: Annotated[Optional[str], typer.Option(help="hf: torch device (default cuda if available, else cpu).")] = None,
+    max_num_batched_tokens: Annotated[Optional[int], typer.Option(help="vllm: tokens per engine step.")] = None,
+    max_num_seqs: Annotated[Optional[int], typer.Option(help="vllm: requests per engine step.")] = None,
+    gpu_memory_utilization: Annotated[float, typer.Option(help="vllm: fraction of GPU memory for the engine.")] = 0.9,
+    tensor_parallel_size: Annotated[int, typer.Option(help="vllm: GPUs per engine.")] = 1,
+    enforce_eager: Annotated[bool, typer.Option(help="vllm: no CUDA graphs / torch.compile.")] = False,
+    progress: Progress = None,
+    json_summary: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object.")] = False,
+):
+    """Extract target-layer hidden states for every token of every sample.
+
+    Examples:
+      vx extract examples/chat.jsonl -o out/
+      vx extract chats.jsonl -o out/ --model /models/Qwen3.6-27B --layers 1,16,31,46,61
+      vx extract chats.jsonl -o out/ --backend hf --batch-size 64 --max-length 4096 --overlong skip
+    """
+    from ..config import ExtractConfig
+    from ..extract import run_extract
+    from ..layers import parse_layer_ids
+
+    cfg = ExtractConfig(
+        data=data, output=output, model=model, backend=backend, layers=parse_layer_ids(layers),
+        batch_size=batch_size, max_batch_tokens=max_batch_tokens, sort_window=sort_window, max_length=max_length,
+        overlong=overlong, dtype=dtype, store_dtype=store_dtype, shard_size_mb=shard_size, strict=strict,
+        overwrite=overwrite, device=device, max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs, gpu_memory_utilization=gpu_memory_utilization,
+        tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
+    )
+    s = run_extract(cfg, progress=progress)
+    if json_summary:
+        print(json.dumps(s.to_json()))
+        return
+    print(f"output       {s.output}")
+    print(f"backend      {s.backend}")
+    print(f"samples      {s.samples:,} extracted, {s.resumed_samples:,} already committed, {s.errors:,} bad lines "
+          f"(see errors.jsonl)")
+    print(f"tokens       {s.tokens:,}")
+    print(f"written      {s.shards} shards, {s.bytes_written / 1e6:,.1f} MB")
+    print(f"time         load {s.load_s:.1f}s, warm-up {s.warmup_s:.1f}s, extract {s.extract_s:.1f}s")
+    print(f"speed        {s.samples_per_s:,.2f} samples/s, {s.tokens_per_s:,.0f} tokens/s")

@@ -1,0 +1,51 @@
+"""`vx inspect`: what an output directory holds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from . import app
+
+
+@app.command(no_args_is_help=True)
+def inspect(
+    output: Annotated[Path, typer.Argument(help="An extraction output directory.")],
+    sample: Annotated[Optional[str], typer.Option(help="Show one sample (by id) with shapes and a few values.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print as one JSON object.")] = False,
+):
+    """Summarise an extraction: samples, tokens, shards, bytes, layers, dtype, errors.
+
+    Examples:
+      vx inspect out/
+      vx inspect out/ --sample 42
+    """
+    from ..errors import UsageError
+    from ..reader import open_dataset
+    from ..shards import ERRORS
+
+    ds = open_dataset(output)
+    if not ds.meta:
+        raise UsageError(f"{output} is not a vx output directory (no vx.json)")
+    if sample is not None:
+        if sample not in ds:
+            raise UsageError(f"no sample with id {sample!r} in {output}")
+        item = ds[sample]
+        h = item["hidden_states"]
+        info = {"id": sample, "tokens": int(h.shape[0]), "hidden_states": list(h.shape), "dtype": str(h.dtype),
+                "layer_ids": ds.layer_ids, "loss_tokens": int(item["loss_mask"].sum()),
+                "input_ids[:8]": item["input_ids"][:8].tolist(),
+                "hidden_states[0, :, :4]": h[0, :, :4].float().tolist()}
+        print(json.dumps(info) if json_out else "\n".join(f"{k:24} {v}" for k, v in info.items()))
+        return
+    errors_file = output / ERRORS
+    n_err = sum(1 for _ in open(errors_file)) if errors_file.exists() else 0
+    nbytes = sum(r["bytes"] for r in ds.shards)
+    info = {"samples": len(ds), "tokens": ds.num_tokens, "shards": len(ds.shards), "bytes": nbytes,
+            "bytes_per_token": round(nbytes / ds.num_tokens, 1) if ds.num_tokens else 0,
+            "layer_ids": ds.layer_ids, "hidden_size": ds.meta.get("hidden_size"),
+            "store_dtype": ds.meta.get("store_dtype"), "model": ds.meta.get("model"), "errors": n_err}
+    print(json.dumps(info) if json_out else "\n".join(f"{k:16} {v}" for k, v in info.items()))

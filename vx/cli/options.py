@@ -1,0 +1,15 @@
+"""Option types shared by commands."""
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+OutputDir = Annotated[Path, typer.Option("--output", "-o", help="Output directory (created; rerun to resume).")]
+ModelPath = Annotated[Optional[str], typer.Option(
+    "--model", "-m", help="Local HF model directory. Default: the embedded tiny hybrid-GDN model.")]
+Layers = Annotated[Optional[str], typer.Option(
+    help="Comma-separated layer ids; id k = output of decoder layer k (0-based) = HF hidden_states[k+1], "
+         "pre-final-norm. Default: DFlash's 5 ids, evenly spaced 1..N-3 (64 layers: 1,16,31,46,61).")]
+Progress = Annotated[Optional[bool], typer.Option(
+    "--progress/--no-progress", help="Progress bar on stderr. Default: on when stderr is a terminal.")]

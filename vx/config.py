@@ -1,0 +1,70 @@
+"""One flat, validated configuration for an extraction run."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .errors import UsageError
+
+BACKENDS = ("auto", "hf", "vllm")
+MODEL_DTYPES = ("auto", "bfloat16", "float16", "float32")
+OVERLONG = ("truncate", "skip")
+
+
+@dataclass
+class ExtractConfig:
+    data: Path
+    output: Path
+    model: str | None = None                 # local HF dir; None = embedded tiny default
+    backend: str = "auto"                    # auto = vllm when importable, else hf
+    layers: list[int] | None = None          # None = DFlash default for the model
+    batch_size: int = 128                    # hf: max samples per forward
+    max_batch_tokens: int = 65536            # hf: max padded tokens (batch x longest) per forward
+    sort_window: int = 8192                  # hf: samples sorted by length together (bounded memory)
+    max_length: int | None = None
+    overlong: str = "truncate"
+    dtype: str = "auto"                      # compute dtype of the model
+    store_dtype: str = "bf16"
+    shard_size_mb: float = 1024.0
+    strict: bool = False
+    overwrite: bool = False
+    device: str | None = None                # hf: cuda if available, else cpu
+    # vllm engine flags, named as vLLM names them
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.data, self.output = Path(self.data), Path(self.output)
+        if not self.data.is_file():
+            raise UsageError(f"dataset {str(self.data)!r} is not a file")
+        if self.backend not in BACKENDS:
+            raise UsageError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.dtype not in MODEL_DTYPES:
+            raise UsageError(f"--dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")
+        from .shards import STORE_DTYPES
+
+        if self.store_dtype not in STORE_DTYPES:
+            raise UsageError(f"--store-dtype must be one of {', '.join(STORE_DTYPES)}, got {self.store_dtype!r}")
+        if self.overlong not in OVERLONG:
+            raise UsageError(f"--overlong must be one of {', '.join(OVERLONG)}, got {self.overlong!r}")
+        for name in ("batch_size", "max_batch_tokens", "sort_window", "tensor_parallel_size"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_length", "max_num_batched_tokens", "max_num_seqs"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+        if self.shard_size_mb <= 0:
+            raise UsageError(f"--shard-size must be > 0 MB, got {self.shard_size_mb}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise UsageError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["data"], d["output"] = str(self.data), str(self.output)
+        return d

@@ -1,0 +1,135 @@
+"""The extraction job: dataset -> tokens -> target-layer states -> committed shards."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import Iterator
+
+from . import __version__
+from .config import ExtractConfig
+from .dataset import BadLine, Sample, count_lines, read_samples
+from .errors import UsageError
+from .layers import check_layer_ids, default_layer_ids
+from .model import load_tokenizer, model_info, resolve_model
+from .output import ErrorLog, prepare_output
+from .progress import RunProgress
+from .shards import STORE_DTYPES, ShardWriter
+
+
+@dataclass
+class Summary:
+    output: str
+    backend: str
+    samples: int
+    tokens: int
+    errors: int
+    resumed_samples: int
+    shards: int
+    bytes_written: int
+    load_s: float
+    warmup_s: float
+    extract_s: float
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.extract_s if self.extract_s else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.extract_s if self.extract_s else 0.0
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d.update(samples_per_s=round(self.samples_per_s, 2), tokens_per_s=round(self.tokens_per_s, 1))
+        return d
+
+
+def vllm_available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def choose_backend(requested: str) -> str:
+    if requested == "auto":
+        return "vllm" if vllm_available() and _vllm_backend_ready() else "hf"
+    if requested == "vllm" and not vllm_available():
+        raise UsageError("--backend vllm needs vLLM: pip install 'vx[cpu]' (CPU) or 'vx[gpu]' (GPU)")
+    return requested
+
+
+def _vllm_backend_ready() -> bool:
+    return importlib.util.find_spec("vx.vllm_backend") is not None
+
+
+def run_extract(cfg: ExtractConfig, progress: bool | None = None) -> Summary:
+    t0 = time.perf_counter()
+    backend = choose_backend(cfg.backend)
+    model_dir = resolve_model(cfg.model)
+    info = model_info(model_dir)
+    layer_ids = check_layer_ids(cfg.layers, info.num_layers) if cfg.layers else default_layer_ids(info.num_layers)
+    tokenizer = load_tokenizer(model_dir)
+
+    def samples(skip=frozenset()) -> Iterator[Sample | BadLine]:
+        return read_samples(cfg.data, tokenizer, cfg.max_length, cfg.overlong, skip_ids=skip)
+
+    if cfg.strict:  # a full validation pass before any compute
+        for item in samples():
+            if isinstance(item, BadLine):
+                raise UsageError(f"{cfg.data}:{item.line}: {item.reason} (id {item.id!r}); --strict stops "
+                                 "before any compute")
+
+    meta = {
+        "format": "vx-1", "vx_version": __version__, "model": str(model_dir), "model_type": info.model_type,
+        "num_layers": info.num_layers, "layer_ids": layer_ids, "hidden_size": info.hidden_size,
+        "store_dtype": cfg.store_dtype, "backend": backend,
+    }
+    state = prepare_output(cfg.output, meta, cfg.overwrite)
+    shard_meta = {k: json.dumps(v) if isinstance(v, list) else str(v) for k, v in meta.items()}
+    writer = ShardWriter(cfg.output, shard_meta, int(cfg.shard_size_mb * 1e6), state.next_shard,
+                         len(layer_ids), info.hidden_size, STORE_DTYPES[cfg.store_dtype])
+    errors = ErrorLog(cfg.output)
+    bar = RunProgress(count_lines(cfg.data) - len(state.committed_ids), enabled=progress)
+
+    def good_samples() -> Iterator[Sample]:
+        for item in samples(frozenset(state.committed_ids)):
+            if isinstance(item, BadLine):
+                errors.write(item.to_json())
+                bar.skip(1)
+            else:
+                yield item
+
+    try:
+        if backend == "hf":
+            stats = _run_hf(cfg, model_dir, layer_ids, tokenizer, good_samples(), writer, bar, t0)
+        else:
+            from .vllm_backend import run_vllm
+
+            stats = run_vllm(cfg, model_dir, info, layer_ids, good_samples(), writer, bar, t0)
+        writer.close()
+    finally:
+        errors.close()
+        bar.close()
+    load_s, warmup_s, extract_s, n, tokens = stats
+    return Summary(str(cfg.output), backend, n, tokens, errors.count, len(state.committed_ids),
+                   writer.committed_shards, writer.committed_bytes, load_s, warmup_s, extract_s)
+
+
+def _run_hf(cfg, model_dir, layer_ids, tokenizer, samples, writer, bar, t0):
+    from .hf_backend import HFExtractor, length_sorted_batches, load_hf_model
+
+    model = load_hf_model(model_dir, cfg.dtype, cfg.device)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    extractor = HFExtractor(model, layer_ids, pad_id=pad)
+    load_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    n = tokens = 0
+    for batch in length_sorted_batches(samples, cfg.batch_size, cfg.max_batch_tokens, cfg.sort_window):
+        for s, h in zip(batch, extractor.extract(batch)):
+            writer.add(s.id, s.input_ids, s.loss_mask, h)
+        n += len(batch)
+        tokens += sum(len(s) for s in batch)
+        bar.advance(len(batch), sum(len(s) for s in batch), writer.added_bytes)
+    writer.close()
+    return load_s, 0.0, time.perf_counter() - t1, n, tokens

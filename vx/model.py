@@ -1,0 +1,51 @@
+"""Where the target model comes from: a local HF directory, or the embedded tiny default."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import UsageError
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    path: Path
+    num_layers: int
+    hidden_size: int
+    model_type: str
+    vision_language: bool  # checkpoint in the VL layout (text_config inside config.json)
+
+
+def resolve_model(model: str | None) -> Path:
+    """`None` -> the embedded tiny model (built on first use); else a local HF model directory."""
+    if model is None:
+        from .tiny import default_model_dir
+
+        return default_model_dir()
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise UsageError(f"--model {model!r} is not a local directory. vx never downloads: pass the path "
+                         "of a local HF checkpoint (config.json + *.safetensors + tokenizer files)")
+    if not (path / "config.json").exists():
+        raise UsageError(f"--model {model!r} has no config.json; is it an HF checkpoint directory?")
+    return path.resolve()
+
+
+def model_info(path: Path) -> ModelInfo:
+    cfg = json.loads((path / "config.json").read_text())
+    text = cfg.get("text_config") or cfg
+    try:
+        return ModelInfo(path, int(text["num_hidden_layers"]), int(text["hidden_size"]),
+                         text.get("model_type", cfg.get("model_type", "?")), "text_config" in cfg)
+    except KeyError as e:
+        raise UsageError(f"{path}/config.json lacks {e.args[0]!r}") from None
+
+
+def load_tokenizer(path: Path):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))

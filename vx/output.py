@@ -1,0 +1,86 @@
+"""The output directory: run metadata, resume state, errors file."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import UsageError
+from .shards import ERRORS, MANIFEST, RUN_META, read_manifest
+
+# Keys of vx.json that must match for a rerun to continue the same output.
+IDENTITY_KEYS = ("model", "layer_ids", "store_dtype", "hidden_size")
+
+
+@dataclass
+class ResumeState:
+    committed_ids: set[str]
+    next_shard: int
+    committed_tokens: int
+
+
+def prepare_output(out: Path, meta: dict, overwrite: bool) -> ResumeState:
+    """Create `out` or continue it. A different model/layers/dtype is refused unless overwrite."""
+    out = Path(out)
+    if overwrite and out.exists():
+        for name in [MANIFEST, ERRORS, RUN_META]:
+            (out / name).unlink(missing_ok=True)
+        for f in out.glob("shard-*.safetensors"):
+            f.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    meta_path = out / RUN_META
+    if meta_path.exists():
+        old = json.loads(meta_path.read_text())
+        diff = [k for k in IDENTITY_KEYS if old.get(k) != meta.get(k)]
+        if diff:
+            detail = "; ".join(f"{k}: {old.get(k)!r} there, {meta.get(k)!r} now" for k in diff)
+            raise UsageError(f"{out} holds another extraction ({detail}). Use another -o, or --overwrite "
+                             "to delete it")
+    elif any(out.glob("shard-*.safetensors")) or (out / MANIFEST).exists():
+        raise UsageError(f"{out} holds shards but no {RUN_META}; refusing to mix runs (use --overwrite)")
+    for tmp in out.glob(".shard-*.tmp"):
+        tmp.unlink()
+    _repair_manifest(out / MANIFEST)
+    records = read_manifest(out)
+    committed = {sid for r in records for sid in r["sample_ids"]}
+    listed = {r["shard"] for r in records}
+    for f in out.glob("shard-*.safetensors"):  # renamed but never committed: redo its samples
+        if f.name not in listed:
+            f.unlink()
+    next_shard = 1 + max((int(r["shard"][6:11]) for r in records), default=-1)
+    tmp = meta_path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(meta, indent=2) + "\n")
+    os.replace(tmp, meta_path)
+    return ResumeState(committed, next_shard, sum(r["num_tokens"] for r in records))
+
+
+def _repair_manifest(path: Path) -> None:
+    """Drop a torn last line (a crash mid-append) so new records start on a fresh line."""
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        keep = data[: data.rfind(b"\n") + 1]
+        with open(path, "wb") as f:
+            f.write(keep)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+class ErrorLog:
+    """errors.jsonl: one record per bad dataset line, rewritten by each run (it is derived data)."""
+
+    def __init__(self, out: Path):
+        self.path = Path(out) / ERRORS
+        self._f = open(self.path, "w")
+        self.count = 0
+
+    def write(self, record: dict) -> None:
+        self._f.write(json.dumps(record) + "\n")
+        self._f.flush()
+        self.count += 1
+
+    def close(self) -> None:
+        self._f.close()

@@ -1,0 +1,48 @@
+"""Progress on stderr (rich): samples/s, tokens/s, MB/s written, ETA. Silent when not a TTY
+unless forced, so logs stay clean; the summary always goes to stdout."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+
+class RunProgress:
+    def __init__(self, total: int | None, enabled: bool | None = None):
+        self.console = Console(stderr=True)
+        enabled = self.console.is_terminal if enabled is None else enabled
+        self.samples = self.tokens = 0
+        self.start = time.perf_counter()
+        self._bar = None
+        if enabled:
+            self._bar = Progress(
+                TextColumn("[bold]extract"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), console=self.console,
+                transient=False,
+            )
+            self._task = self._bar.add_task("extract", total=total, rate="")
+            self._bar.start()
+
+    def advance(self, samples: int, tokens: int, written_bytes: int) -> None:
+        self.samples += samples
+        self.tokens += tokens
+        if self._bar is not None:
+            dt = max(time.perf_counter() - self.start, 1e-9)
+            rate = (f"{self.samples / dt:,.1f} samples/s  {self.tokens / dt:,.0f} tok/s  "
+                    f"{written_bytes / dt / 1e6:,.1f} MB/s")
+            self._bar.update(self._task, advance=samples, rate=rate)
+
+    def skip(self, samples: int) -> None:
+        """Lines that produce no compute (bad lines, already committed)."""
+        if self._bar is not None and samples:
+            self._bar.update(self._task, advance=samples)
+
+    def log(self, msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()

@@ -1,0 +1,208 @@
+"""Shard files and the manifest: the on-disk format and its writer.
+
+A shard `shard-NNNNN.safetensors` holds N samples packed along the token axis:
+  hidden_states [sum T, L, H]  store dtype (bf16 default)
+  input_ids     [sum T]        int32
+  loss_mask     [sum T]        uint8
+  offsets       [N + 1]        int64   sample i is rows offsets[i]:offsets[i+1]
+Its safetensors metadata (all strings): format="vx-shard-1", sample_ids (JSON list), model,
+layer_ids (JSON list), hidden_size, num_layers, store_dtype, vx_version.
+
+A shard is written under a temp name, fsynced, renamed, and only then recorded by one line in
+`manifest.jsonl` (fsynced): that line is the commit. Readers trust the manifest alone, so a torn
+temp file or an unrecorded shard left by a crash is invisible.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+MANIFEST = "manifest.jsonl"
+ERRORS = "errors.jsonl"
+RUN_META = "vx.json"
+SHARD_FORMAT = "vx-shard-1"
+
+STORE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_ST_DTYPE = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int32: "I32",
+             torch.uint8: "U8", torch.int64: "I64"}
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.safetensors"
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_safetensors(path: Path, tensors: dict[str, list[torch.Tensor]], shapes: dict[str, list[int]],
+                      metadata: dict[str, str]) -> tuple[int, str]:
+    """Write a safetensors file whose tensors are given as lists of contiguous CPU pieces.
+
+    Streams the pieces (no concatenated copy), fsyncs, returns (bytes, sha256 hex).
+    """
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for name, pieces in tensors.items():
+        nbytes = sum(p.numel() * p.element_size() for p in pieces)
+        header[name] = {"dtype": _ST_DTYPE[pieces[0].dtype] if pieces else "U8", "shape": shapes[name],
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    digest = hashlib.sha256()
+    with open(path, "wb") as f:
+        for chunk in (len(blob).to_bytes(8, "little"), blob):
+            f.write(chunk)
+            digest.update(chunk)
+        for pieces in tensors.values():
+            for p in pieces:
+                buf = memoryview(p.contiguous().view(torch.uint8).numpy())
+                f.write(buf)
+                digest.update(buf)
+        f.flush()
+        os.fsync(f.fileno())
+    return 8 + len(blob) + offset, digest.hexdigest()
+
+
+@dataclass
+class PendingShard:
+    index: int
+    ids: list[str] = field(default_factory=list)
+    hidden: list[torch.Tensor] = field(default_factory=list)
+    input_ids: list[torch.Tensor] = field(default_factory=list)
+    loss_mask: list[torch.Tensor] = field(default_factory=list)
+    tokens: int = 0
+    nbytes: int = 0
+
+
+class ShardWriter:
+    """Packs samples into shards and commits them from a background thread.
+
+    `add()` only appends to the open shard; a full shard is handed to the writer thread through
+    a queue of depth 1, so file I/O overlaps compute and at most two shards sit in memory.
+    """
+
+    def __init__(self, out_dir: Path, metadata: dict[str, str], shard_bytes: int, next_index: int,
+                 layer_count: int, hidden_size: int, store_dtype: torch.dtype):
+        self.out_dir = Path(out_dir)
+        self.metadata = metadata
+        self.shard_bytes = shard_bytes
+        self.layer_count = layer_count
+        self.hidden_size = hidden_size
+        self.store_dtype = store_dtype
+        self.open = PendingShard(next_index)
+        self.committed_bytes = 0
+        self.added_bytes = 0  # hidden states + ids + masks handed to add(), committed or not
+        self.committed_shards = 0
+        self._queue: queue.Queue = queue.Queue(maxsize=1)
+        self._error: BaseException | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="vx-shard-writer", daemon=True)
+        self._thread.start()
+
+    def add(self, sample_id: str, input_ids: list[int], loss_mask: list[int], hidden: torch.Tensor) -> None:
+        """Queue one sample: hidden [T, L, H] (any dtype, CPU or device), T = len(input_ids)."""
+        self._raise_if_failed()
+        t = len(input_ids)
+        if hidden.shape != (t, self.layer_count, self.hidden_size):
+            raise RuntimeError(f"sample {sample_id}: hidden states {tuple(hidden.shape)} != "
+                               f"({t}, {self.layer_count}, {self.hidden_size})")
+        h = hidden.to("cpu", self.store_dtype).contiguous()
+        s = self.open
+        s.ids.append(sample_id)
+        s.hidden.append(h)
+        s.input_ids.append(torch.tensor(input_ids, dtype=torch.int32))
+        s.loss_mask.append(torch.tensor(loss_mask, dtype=torch.uint8))
+        s.tokens += t
+        s.nbytes += h.numel() * h.element_size() + 5 * t
+        self.added_bytes += h.numel() * h.element_size() + 5 * t
+        if s.nbytes >= self.shard_bytes:
+            self._hand_off()
+
+    def close(self) -> None:
+        """Commit the last partial shard and wait for every write to finish (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.open.ids:
+            self._hand_off()
+        self._queue.put(None)
+        self._thread.join()
+        self._raise_if_failed()
+
+    def _hand_off(self) -> None:
+        shard, self.open = self.open, PendingShard(self.open.index + 1)
+        while True:
+            try:
+                self._queue.put(shard, timeout=0.5)
+                return
+            except queue.Full:
+                self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"shard writer failed: {self._error}") from self._error
+
+    def _run(self) -> None:
+        while True:
+            shard = self._queue.get()
+            if shard is None:
+                return
+            if self._error is not None:
+                continue
+            try:
+                self.commit(shard)
+            except BaseException as e:  # surfaced to the caller on its next add()/close()
+                self._error = e
+
+    def commit(self, s: PendingShard) -> None:
+        name = shard_name(s.index)
+        tmp = self.out_dir / f".{name}.tmp"
+        lengths = [len(x) for x in s.input_ids]
+        offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+        offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+        meta = dict(self.metadata, format=SHARD_FORMAT, sample_ids=json.dumps(s.ids))
+        nbytes, sha = write_safetensors(
+            tmp,
+            {"hidden_states": s.hidden, "input_ids": s.input_ids, "loss_mask": s.loss_mask, "offsets": [offsets]},
+            {"hidden_states": [s.tokens, self.layer_count, self.hidden_size], "input_ids": [s.tokens],
+             "loss_mask": [s.tokens], "offsets": [len(lengths) + 1]},
+            meta,
+        )
+        os.rename(tmp, self.out_dir / name)
+        fsync_dir(self.out_dir)
+        record = {"shard": name, "sample_ids": s.ids, "num_samples": len(s.ids), "num_tokens": s.tokens,
+                  "bytes": nbytes, "sha256": sha}
+        with open(self.out_dir / MANIFEST, "a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.committed_bytes += nbytes
+        self.committed_shards += 1
+
+
+def read_manifest(out_dir: Path) -> list[dict]:
+    """Committed shard records. A torn last line (crash mid-append) is ignored."""
+    path = Path(out_dir) / MANIFEST
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
