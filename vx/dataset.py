@@ -128,7 +128,11 @@ class Tokenize:
             upto = render(msgs[: i + 1], False)
             if ids[: len(upto)] != upto or upto[: len(before)] != before:
                 raise _Bad("chat template is not prefix-stable, cannot derive the assistant loss mask")
-            for j in range(len(before), len(upto)):
+            end = len(upto)
+            span = upto[len(before):]
+            if self.tok.eos_token_id in span:  # stop at the turn's end token, like {% generation %}
+                end = len(before) + len(span) - span[::-1].index(self.tok.eos_token_id)
+            for j in range(len(before), end):
                 mask[j] = 1
         return ids, mask
 

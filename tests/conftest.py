@@ -1,0 +1,61 @@
+"""Shared fixtures: a tiny random hybrid-GDN model built once per test session, offline."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    """A clean vx cache for the whole session (nothing reused from earlier runs)."""
+    d = tmp_path_factory.mktemp("vx-cache")
+    os.environ["VX_CACHE_DIR"] = str(d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_model(cache_dir) -> Path:
+    from vx.tiny import default_model_dir
+
+    return default_model_dir()
+
+
+@pytest.fixture(scope="session")
+def tiny_vl_model(tiny_model, cache_dir) -> Path:
+    from vx.tiny import build_vl_twin
+
+    return build_vl_twin(tiny_model, cache_dir / "tiny-vl")
+
+
+@pytest.fixture(scope="session")
+def fp32_model(tiny_model):
+    from vx.hf_backend import load_hf_model
+
+    return load_hf_model(tiny_model, "float32", "cpu")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model):
+    from vx.model import load_tokenizer
+
+    return load_tokenizer(tiny_model)
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    """Rows are dicts (dumped as JSON) or bytes/str (written verbatim as one line)."""
+    with open(path, "wb") as f:
+        for r in rows:
+            if isinstance(r, bytes):
+                f.write(r.rstrip(b"\n") + b"\n")
+            elif isinstance(r, str):
+                f.write(r.encode() + b"\n")
+            else:
+                f.write(json.dumps(r).encode() + b"\n")
+    return path

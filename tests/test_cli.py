@@ -1,0 +1,64 @@
+"""The real `vx` command, run as a subprocess."""
+
+import json
+import os
+import subprocess
+import sys
+
+import vx
+from conftest import ROOT
+
+
+def vx_cmd(*args, env=None, cwd=ROOT):
+    e = dict(os.environ, **(env or {}))
+    return subprocess.run([sys.executable, "-m", "vx", *args], capture_output=True, text=True, env=e, cwd=cwd,
+                          timeout=900)
+
+
+def test_extract_on_the_embedded_default_from_a_clean_cache(tmp_path):
+    out = tmp_path / "out"
+    r = vx_cmd("extract", "examples/chat.jsonl", "-o", str(out), "--backend", "hf", "--json",
+               env={"VX_CACHE_DIR": str(tmp_path / "cache")})
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["samples"] == 64 and summary["errors"] == 0
+    assert (tmp_path / "cache" / "tiny-qwen3_5-v1" / "config.json").exists()
+    ds = vx.open_dataset(out)
+    assert len(ds) == 64
+    item = ds["chat-000"]
+    assert item["hidden_states"].shape == (len(item["input_ids"]), 5, 256)
+    assert item["hidden_states"].float().abs().sum() > 0
+    insp = vx_cmd("inspect", str(out), "--json")
+    assert insp.returncode == 0 and json.loads(insp.stdout)["samples"] == 64
+    # rerunning the same command continues: nothing left to do, nothing duplicated
+    again = vx_cmd("extract", "examples/chat.jsonl", "-o", str(out), "--backend", "hf", "--json",
+                   env={"VX_CACHE_DIR": str(tmp_path / "cache")})
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["resumed_samples"] == 64 and len(vx.open_dataset(out)) == 64
+
+
+def test_user_errors_exit_2_with_one_line_and_no_traceback(tmp_path, tiny_model):
+    r = vx_cmd("extract", "examples/chat.jsonl", "-o", str(tmp_path / "o"), "--model", "Qwen/Qwen3-8B")
+    assert r.returncode == 2
+    assert "not a local directory" in r.stderr and "Traceback" not in r.stderr
+    r = vx_cmd("extract", "examples/chat.jsonl", "-o", str(tmp_path / "o"), "--backend", "hf", "--layers", "0,99")
+    assert r.returncode == 2 and "out of range" in r.stderr and "Traceback" not in r.stderr
+    r = vx_cmd("extract", str(tmp_path / "missing.jsonl"))
+    assert r.returncode == 2 and "is not a file" in r.stderr
+
+
+def test_a_different_layer_set_against_the_same_output_is_refused(tmp_path, tiny_model):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"text": "hello"}) + "\n")
+    out = str(tmp_path / "o")
+    assert vx_cmd("extract", str(data), "-o", out, "--backend", "hf", "--layers", "1,2").returncode == 0
+    r = vx_cmd("extract", str(data), "-o", out, "--backend", "hf", "--layers", "1,3")
+    assert r.returncode == 2 and "--overwrite" in r.stderr
+    assert vx_cmd("extract", str(data), "-o", out, "--backend", "hf", "--layers", "1,3", "--overwrite").returncode == 0
+
+
+def test_help_teaches():
+    r = vx_cmd("extract", "--help")
+    assert r.returncode == 0
+    for flag in ("--layers", "--backend", "--max-length", "--overlong", "--strict", "--shard-size"):
+        assert flag in r.stdout
