@@ -33,7 +33,7 @@ class ExtractConfig:
     # vllm engine flags, named as vLLM names them
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float | None = None  # None: 0.9 on GPU, 0.3 of host memory on CPU
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
     extra: dict = field(default_factory=dict)
@@ -61,7 +61,7 @@ class ExtractConfig:
                 raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
         if self.shard_size_mb <= 0:
             raise UsageError(f"--shard-size must be > 0 MB, got {self.shard_size_mb}")
-        if not 0 < self.gpu_memory_utilization <= 1:
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise UsageError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
     def to_json(self) -> dict:

@@ -53,14 +53,10 @@ def vllm_available() -> bool:
 
 def choose_backend(requested: str) -> str:
     if requested == "auto":
-        return "vllm" if vllm_available() and _vllm_backend_ready() else "hf"
+        return "vllm" if vllm_available() else "hf"
     if requested == "vllm" and not vllm_available():
         raise UsageError("--backend vllm needs vLLM: pip install 'vx[cpu]' (CPU) or 'vx[gpu]' (GPU)")
     return requested
-
-
-def _vllm_backend_ready() -> bool:
-    return importlib.util.find_spec("vx.vllm_backend") is not None
 
 
 def run_extract(cfg: ExtractConfig, progress: bool | None = None) -> Summary:
@@ -87,8 +83,7 @@ def run_extract(cfg: ExtractConfig, progress: bool | None = None) -> Summary:
     }
     state = prepare_output(cfg.output, meta, cfg.overwrite)
     shard_meta = {k: json.dumps(v) if isinstance(v, list) else str(v) for k, v in meta.items()}
-    writer = ShardWriter(cfg.output, shard_meta, int(cfg.shard_size_mb * 1e6), state.next_shard,
-                         len(layer_ids), info.hidden_size, STORE_DTYPES[cfg.store_dtype])
+    shard_args = (shard_meta, int(cfg.shard_size_mb * 1e6), state.next_shard, info.hidden_size, cfg.store_dtype)
     errors = ErrorLog(cfg.output)
     bar = RunProgress(count_lines(cfg.data) - len(state.committed_ids), enabled=progress)
 
@@ -102,18 +97,21 @@ def run_extract(cfg: ExtractConfig, progress: bool | None = None) -> Summary:
 
     try:
         if backend == "hf":
-            stats = _run_hf(cfg, model_dir, layer_ids, tokenizer, good_samples(), writer, bar, t0)
+            writer = ShardWriter(cfg.output, shard_meta, shard_args[1], state.next_shard, len(layer_ids),
+                                 info.hidden_size, STORE_DTYPES[cfg.store_dtype])
+            *stats, = _run_hf(cfg, model_dir, layer_ids, tokenizer, good_samples(), writer, bar, t0)
+            shards, nbytes = writer.committed_shards, writer.committed_bytes
         else:
             from .vllm_backend import run_vllm
 
-            stats = run_vllm(cfg, model_dir, info, layer_ids, good_samples(), writer, bar, t0)
-        writer.close()
+            *stats, wstats = run_vllm(cfg, model_dir, info, layer_ids, good_samples(), shard_args, bar, t0, errors)
+            shards, nbytes = wstats.get("shards", 0), wstats.get("bytes", 0)
     finally:
         errors.close()
         bar.close()
     load_s, warmup_s, extract_s, n, tokens = stats
     return Summary(str(cfg.output), backend, n, tokens, errors.count, len(state.committed_ids),
-                   writer.committed_shards, writer.committed_bytes, load_s, warmup_s, extract_s)
+                   shards, nbytes, load_s, warmup_s, extract_s)
 
 
 def _run_hf(cfg, model_dir, layer_ids, tokenizer, samples, writer, bar, t0):

@@ -32,7 +32,7 @@ def extract(
     device: Annotated[Optional[str], typer.Option(help="hf: torch device (default cuda if available, else cpu).")] = None,
     max_num_batched_tokens: Annotated[Optional[int], typer.Option(help="vllm: tokens per engine step.")] = None,
     max_num_seqs: Annotated[Optional[int], typer.Option(help="vllm: requests per engine step.")] = None,
-    gpu_memory_utilization: Annotated[float, typer.Option(help="vllm: fraction of GPU memory for the engine.")] = 0.9,
+    gpu_memory_utilization: Annotated[Optional[float], typer.Option(help="vllm: fraction of GPU memory (of host memory on CPU) for the engine. Default 0.9 on GPU, 0.3 on CPU.")] = None,
     tensor_parallel_size: Annotated[int, typer.Option(help="vllm: GPUs per engine.")] = 1,
     enforce_eager: Annotated[bool, typer.Option(help="vllm: no CUDA graphs / torch.compile.")] = False,
     progress: Progress = None,

@@ -1,0 +1,182 @@
+"""vLLM backend driver: stream samples into vLLM's continuous-batching engine, prefill only.
+
+The driver only registers and submits requests and follows progress; the capture hook and the
+shard writer live in vLLM's worker process (vx/vllm_worker.py), so hidden states never travel
+through vLLM's RPC. Requests are fed as the model tokenizer's own token ids (no re-tokenization),
+`max_tokens=1` (the sampled token is discarded), prefix caching off (a cached prefix would never
+be recomputed, so its states would be missing). A bounded number of requests is in flight; new
+ones join as others finish, so the scheduler stays full and memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from .dataset import Sample
+from .errors import UsageError, VxError
+from .vllm_worker import WARMUP_PREFIX
+
+EXTENSION = "vx.vllm_worker.VxWorkerExtension"
+
+
+def _cpu_env() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        # vLLM reserves one core for its engine process by default; on small CPU machines the
+        # worker then runs on one thread. vx's engine process only feeds requests.
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+
+
+class VllmExtractor:
+    """One vLLM engine with vx's capture hook installed; `run()` can be called repeatedly."""
+
+    def __init__(self, model_dir: Path, layer_ids: list[int], *, vision_language: bool = False,
+                 dtype: str = "auto", max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
+                 max_num_seqs: int | None = None, gpu_memory_utilization: float | None = None,
+                 tensor_parallel_size: int = 1, enforce_eager: bool | None = None, seed: int = 0):
+        _cpu_env()
+        import torch
+        from vllm import LLM
+
+        on_cpu = not torch.cuda.is_available()
+        if gpu_memory_utilization is None:  # on CPU it is the fraction of host memory for vLLM
+            gpu_memory_utilization = 0.3 if on_cpu else 0.9
+        kwargs = dict(
+            model=str(model_dir), tokenizer=str(model_dir), dtype="bfloat16" if on_cpu and dtype == "auto" else dtype,
+            enable_prefix_caching=False, gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size, worker_extension_cls=EXTENSION, seed=seed,
+            # CPU: hooks need eager mode; GPU: aux outputs are set after load, before any graph use.
+            enforce_eager=on_cpu if enforce_eager is None else (enforce_eager or on_cpu),
+            enable_chunked_prefill=True,
+        )
+        if max_model_len:
+            kwargs["max_model_len"] = max_model_len
+        if max_num_batched_tokens:
+            kwargs["max_num_batched_tokens"] = max_num_batched_tokens
+        if max_num_seqs:
+            kwargs["max_num_seqs"] = max_num_seqs
+        if vision_language:
+            kwargs["language_model_only"] = True  # no vision encoder weights, memory or compute
+        self.layer_ids = list(layer_ids)
+        self.llm = LLM(**kwargs)
+        self.engine = self.llm.llm_engine
+        sched = self.llm.llm_engine.vllm_config.scheduler_config
+        self.max_num_seqs = sched.max_num_seqs
+        self.max_num_batched_tokens = sched.max_num_batched_tokens
+        self.max_model_len = self.llm.llm_engine.vllm_config.model_config.max_model_len
+        info = self.llm.collective_rpc("vx_install", args=(self.layer_ids,))
+        self.num_layers = info[0]["num_layers"]
+        self.warmup_s = self.warm_up()
+
+    def _params(self):
+        from vllm import SamplingParams
+
+        return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+
+    def warm_up(self) -> float:
+        """Dummy prefills covering the token-count buckets the run will see (kernels compile and
+        autotune here, not in the timed loop). Their states are not captured."""
+        t0 = time.perf_counter()
+        sizes, n = [], 16
+        while n < min(self.max_num_batched_tokens, self.max_model_len - 1):
+            sizes.append(n)
+            n *= 4
+        sizes.append(min(self.max_num_batched_tokens, self.max_model_len - 1))
+        for i, size in enumerate(sizes):
+            self.engine.add_request(f"{WARMUP_PREFIX}{i}", {"prompt_token_ids": [1] * size}, self._params())
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+        return time.perf_counter() - t0
+
+    def run(self, samples: Iterable[Sample], out_dir: Path, shard_meta: dict, shard_bytes: int, next_shard: int,
+            hidden_size: int, store_dtype: str, on_done=None, on_reject=None,
+            max_in_flight: int | None = None) -> dict:
+        """Extract every sample into shards under out_dir. Returns the worker's stats."""
+        self.llm.collective_rpc("vx_begin", args=(str(out_dir), shard_meta, shard_bytes, next_shard, hidden_size,
+                                                  store_dtype))
+        cap = max_in_flight or 2 * self.max_num_seqs
+        in_flight: dict[str, Sample] = {}
+        it: Iterator[Sample] = iter(samples)
+        exhausted = False
+        seq = 0
+        params = self._params()
+        try:
+            while True:
+                if not exhausted and len(in_flight) < cap:
+                    new = []
+                    while len(in_flight) + len(new) < cap:
+                        s = next(it, None)
+                        if s is None:
+                            exhausted = True
+                            break
+                        if len(s) >= self.max_model_len:
+                            if on_reject:
+                                on_reject(s, f"{len(s)} tokens >= the engine's max_model_len {self.max_model_len}")
+                            continue
+                        new.append((f"vx-{seq}", s))
+                        seq += 1
+                    if new:
+                        self.llm.collective_rpc("vx_register", args=(
+                            [(key, s.id, bytes(s.loss_mask)) for key, s in new],))
+                        for key, s in new:
+                            self.engine.add_request(key, {"prompt_token_ids": s.input_ids}, params)
+                            in_flight[key] = s
+                if not in_flight:
+                    if exhausted:
+                        break
+                    continue
+                for out in self.engine.step():
+                    if out.finished:
+                        s = in_flight.pop(out.request_id, None)
+                        if s is not None and on_done:
+                            on_done(s)
+        finally:
+            stats = self.llm.collective_rpc("vx_finish")[0]
+        if stats.get("incomplete"):
+            raise VxError(f"vLLM finished requests whose states were not fully captured: {stats['incomplete'][:5]}")
+        return stats
+
+    def close(self) -> None:
+        try:
+            self.engine.engine_core.shutdown()
+        except Exception:
+            pass
+
+
+def run_vllm(cfg, model_dir, info, layer_ids, samples, writer_factory, bar, t0, errors):
+    """The `vx extract --backend vllm` job; returns (load_s, warmup_s, extract_s, samples, tokens, stats)."""
+    if cfg.dtype not in ("auto", "bfloat16", "float16", "float32"):
+        raise UsageError(f"--dtype {cfg.dtype} is not supported by the vllm backend")
+    t_load = time.perf_counter()
+    ex = VllmExtractor(model_dir, layer_ids, vision_language=info.vision_language, dtype=cfg.dtype,
+                       max_model_len=cfg.max_length + 1 if cfg.max_length else None,
+                       max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
+                       gpu_memory_utilization=cfg.gpu_memory_utilization,
+                       tensor_parallel_size=cfg.tensor_parallel_size, enforce_eager=cfg.enforce_eager or None)
+    load_s = time.perf_counter() - t_load - ex.warmup_s + (t_load - t0)
+    counts = {"n": 0, "tokens": 0}
+
+    def done(s: Sample):
+        counts["n"] += 1
+        counts["tokens"] += len(s)
+        bar.advance(1, len(s), counts["tokens"] * len(layer_ids) * info.hidden_size * 2)
+
+    def reject(s: Sample, reason: str):
+        errors.write({"line": s.line, "id": s.id, "reason": reason})
+        bar.skip(1)
+
+    t1 = time.perf_counter()
+    try:
+        stats = ex.run(samples, cfg.output, *writer_factory, on_done=done, on_reject=reject)
+    finally:
+        ex.close()
+    return load_s, ex.warmup_s, time.perf_counter() - t1, counts["n"], counts["tokens"], stats
+
+
+def shard_meta_json(meta: dict) -> dict:
+    return {k: json.dumps(v) if isinstance(v, list) else str(v) for k, v in meta.items()}
