@@ -62,3 +62,20 @@ def test_help_teaches():
     assert r.returncode == 0
     for flag in ("--layers", "--backend", "--max-length", "--overlong", "--strict", "--shard-size"):
         assert flag in r.stdout
+
+
+def test_vllm_and_hf_backends_produce_the_same_samples_through_the_cli(tmp_path, tiny_model):
+    runs = {}
+    for backend in ("vllm", "hf"):
+        out = tmp_path / backend
+        r = vx_cmd("extract", "examples/chat.jsonl", "-o", str(out), "--backend", backend, "--json",
+                   env={"VLLM_LOGGING_LEVEL": "WARNING"})
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[backend] = (json.loads(r.stdout), vx.open_dataset(out))
+    (sv, v), (sh, h) = runs["vllm"], runs["hf"]
+    assert sv["backend"] == "vllm" and sv["samples"] == sh["samples"] == 64 and sv["tokens"] == sh["tokens"]
+    assert sorted(v.ids) == sorted(h.ids)
+    for sid in h.ids:
+        assert v[sid]["input_ids"].tolist() == h[sid]["input_ids"].tolist()
+        assert v[sid]["loss_mask"].tolist() == h[sid]["loss_mask"].tolist()
+        assert v[sid]["hidden_states"].shape == h[sid]["hidden_states"].shape

@@ -129,6 +129,33 @@ def build_tiny_model(path: Path, num_layers: int = 8, hidden_size: int = 256, se
     return path
 
 
+def build_tiny_next(path: Path, num_layers: int = 4, hidden_size: int = 256, seed: int = 2) -> Path:
+    """A tiny random Qwen3-Next (hybrid GDN + MoE) model, for tests of a second hybrid family."""
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        tokenizer = build_tokenizer(tmp)
+        base = tiny_text_config(tokenizer, num_layers=num_layers, hidden_size=hidden_size).to_dict()
+        keep = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+                "linear_num_value_heads", "layer_types", "max_position_embeddings", "tie_word_embeddings",
+                "pad_token_id", "eos_token_id")
+        config = Qwen3NextConfig(**{k: base[k] for k in keep}, intermediate_size=2 * hidden_size, num_experts=4,
+                                 num_experts_per_tok=2, moe_intermediate_size=hidden_size,
+                                 shared_expert_intermediate_size=hidden_size, decoder_sparse_step=1,
+                                 norm_topk_prob=True, dtype="bfloat16")
+        torch.manual_seed(seed)
+        Qwen3NextForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp)
+        _publish(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
 def build_vl_twin(text_dir: Path, path: Path, seed: int = 1) -> Path:
     """Save `text_dir`'s model in the vision-language layout real Qwen3.5/3.6 checkpoints ship in.
 

@@ -32,6 +32,13 @@ def _cpu_env() -> None:
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 
+def prompt_ids(s: Sample) -> list[int]:
+    """The token ids submitted for a sample. A 1-token prompt crashes vLLM 0.32's CPU GDN conv
+    kernel ('causal_conv1d_fwd_cpu: expect x to be transposed'), so it is sent as 2 tokens and only
+    row 0 is kept: by causality row 0 depends on token 0 alone, so its states are exact."""
+    return s.input_ids * 2 if len(s) == 1 else s.input_ids
+
+
 class VllmExtractor:
     """One vLLM engine with vx's capture hook installed; `run()` can be called repeatedly."""
 
@@ -122,9 +129,9 @@ class VllmExtractor:
                         seq += 1
                     if new:
                         self.llm.collective_rpc("vx_register", args=(
-                            [(key, s.id, bytes(s.loss_mask)) for key, s in new],))
+                            [(key, s.id, bytes(s.loss_mask), len(s)) for key, s in new],))
                         for key, s in new:
-                            self.engine.add_request(key, {"prompt_token_ids": s.input_ids}, params)
+                            self.engine.add_request(key, {"prompt_token_ids": prompt_ids(s)}, params)
                             in_flight[key] = s
                 if not in_flight:
                     if exhausted:

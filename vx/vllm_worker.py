@@ -84,11 +84,14 @@ class VxWorkerExtension:
             self._vx_writer = ShardWriter(Path(out_dir), shard_meta, shard_bytes, next_shard,
                                           len(self._vx_layer_ids), hidden_size, STORE_DTYPES[store_dtype])
 
-    def vx_register(self, items: list[tuple[str, str, bytes]]) -> None:
-        """Announce requests: (request key, sample id, loss mask as bytes of 0/1)."""
+    def vx_register(self, items: list[tuple[str, str, bytes, int]]) -> None:
+        """Announce requests: (request key, sample id, loss mask as bytes of 0/1, rows to keep).
+
+        Rows to keep < prompt length when the driver extended a prompt (see vllm_backend)."""
         if self._vx_rank0:
-            for key, sample_id, mask in items:
-                self._vx_pending[key] = {"sample_id": sample_id, "loss_mask": list(mask), "rows": [], "n": 0}
+            for key, sample_id, mask, keep in items:
+                self._vx_pending[key] = {"sample_id": sample_id, "loss_mask": list(mask), "rows": [], "n": 0,
+                                         "keep": keep}
 
     def vx_finish(self) -> dict:
         """Commit the last shard; return stats. Requests still pending are an error."""
@@ -102,6 +105,10 @@ class VxWorkerExtension:
             stats.update(shards=writer.committed_shards, bytes=writer.committed_bytes)
         stats["incomplete"] = sorted(v["sample_id"] for v in self._vx_pending.values() if v["n"])
         return stats
+
+    def vx_param_count(self, substring: str) -> int:
+        """Parameters of the loaded model whose name contains `substring` (tests: no vision tower)."""
+        return sum(p.numel() for n, p in self.model_runner.get_model().named_parameters() if substring in n)
 
     def vx_writer_bytes(self) -> int:
         w = getattr(self, "_vx_writer", None)
@@ -141,7 +148,8 @@ class VxWorkerExtension:
 
     def _vx_complete(self, key: str, p: dict, token_ids) -> None:
         hidden = p["rows"][0] if len(p["rows"]) == 1 else torch.cat(p["rows"], dim=0)  # [T, L, H]
-        ids = [int(x) for x in token_ids]
+        hidden = hidden[: p["keep"]]
+        ids = [int(x) for x in token_ids[: p["keep"]]]
         self._vx_writer.add(p["sample_id"], ids, p["loss_mask"], hidden)
         self._vx_stats["samples"] += 1
         self._vx_stats["tokens"] += len(ids)
