@@ -24,6 +24,8 @@ EXTENSION = "vx.vllm_worker.VxWorkerExtension"
 
 
 def _cpu_env() -> None:
+    # results go to stdout, so vLLM's logs go to stderr
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     import torch
 
     if not torch.cuda.is_available():
