@@ -9,6 +9,7 @@ with a Qwen-style chat template that marks assistant turns with `{% generation %
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -114,19 +115,12 @@ def build_tiny_model(path: Path, num_layers: int = 8, hidden_size: int = 256, se
     import torch
     from transformers import Qwen3_5ForCausalLM
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
+    with _building(path) as tmp:
         tokenizer = build_tokenizer(tmp)
         config = tiny_text_config(tokenizer, num_layers=num_layers, hidden_size=hidden_size)
         torch.manual_seed(seed)
-        model = Qwen3_5ForCausalLM(config).to(torch.bfloat16)
-        model.save_pretrained(tmp)
-        _publish(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+        Qwen3_5ForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp)
+    return Path(path)
 
 
 def build_tiny_next(path: Path, num_layers: int = 4, hidden_size: int = 256, seed: int = 2) -> Path:
@@ -134,10 +128,7 @@ def build_tiny_next(path: Path, num_layers: int = 4, hidden_size: int = 256, see
     import torch
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
+    with _building(path) as tmp:
         tokenizer = build_tokenizer(tmp)
         base = tiny_text_config(tokenizer, num_layers=num_layers, hidden_size=hidden_size).to_dict()
         keep = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -150,10 +141,7 @@ def build_tiny_next(path: Path, num_layers: int = 4, hidden_size: int = 256, see
                                  norm_topk_prob=True, dtype="bfloat16")
         torch.manual_seed(seed)
         Qwen3NextForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp)
-        _publish(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    return Path(path)
 
 
 def build_vl_twin(text_dir: Path, path: Path, seed: int = 1) -> Path:
@@ -180,9 +168,7 @@ def build_vl_twin(text_dir: Path, path: Path, seed: int = 1) -> Path:
     config.architectures = ["Qwen3_5ForConditionalGeneration"]
     config.dtype = "bfloat16"
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
+    with _building(path) as tmp:
         weights = {}
         for f in sorted(text_dir.glob("*.safetensors")):
             for name, t in load_file(f).items():
@@ -199,19 +185,25 @@ def build_vl_twin(text_dir: Path, path: Path, seed: int = 1) -> Path:
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         config.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(text_dir).save_pretrained(tmp)
-        _publish(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 
-def _publish(tmp: Path, path: Path) -> None:
-    """Rename a fully written build into place; if another process won the race, keep theirs."""
+@contextlib.contextmanager
+def _building(path: Path):
+    """Build into a temp dir beside `path`, then rename it into place (atomic). If another process
+    won the race, keep theirs; on error nothing is left behind."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
-        os.rename(tmp, path)
-    except OSError:
-        if not (path / "config.json").exists():
-            raise
+        yield tmp
+        try:
+            os.rename(tmp, path)
+        except OSError:
+            if not (path / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
