@@ -110,14 +110,19 @@ def tiny_text_config(tokenizer, num_layers: int = 8, hidden_size: int = 256):
     )
 
 
-def build_tiny_model(path: Path, num_layers: int = 8, hidden_size: int = 256, seed: int = 0) -> Path:
-    """Build the tiny random text-only model at `path` (atomically: temp dir, then rename)."""
+def build_tiny_model(path: Path, num_layers: int = 8, hidden_size: int = 256, seed: int = 0,
+                     tokenizer_builder=None, vocab_size: int | None = None) -> Path:
+    """Build the tiny random text-only model at `path` (atomically: temp dir, then rename).
+
+    `tokenizer_builder(dir) -> tokenizer` swaps in another tokenizer (bench: the real Qwen3.6 one)."""
     import torch
     from transformers import Qwen3_5ForCausalLM
 
     with _building(path) as tmp:
-        tokenizer = build_tokenizer(tmp)
+        tokenizer = (tokenizer_builder or build_tokenizer)(tmp)
         config = tiny_text_config(tokenizer, num_layers=num_layers, hidden_size=hidden_size)
+        if vocab_size:
+            config.vocab_size = vocab_size
         torch.manual_seed(seed)
         Qwen3_5ForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp)
     return Path(path)

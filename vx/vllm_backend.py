@@ -59,8 +59,10 @@ class VllmExtractor:
             model=str(model_dir), tokenizer=str(model_dir), dtype="bfloat16" if on_cpu and dtype == "auto" else dtype,
             enable_prefix_caching=False, gpu_memory_utilization=gpu_memory_utilization,
             tensor_parallel_size=tensor_parallel_size, worker_extension_cls=EXTENSION, seed=seed,
-            # CPU: hooks need eager mode; GPU: aux outputs are set after load, before any graph use.
-            enforce_eager=on_cpu if enforce_eager is None else (enforce_eager or on_cpu),
+            # The aux outputs are switched on after load; a graph compiled or captured before that
+            # would not return them (the hook then fails loudly). Eager until the layers are set at
+            # load time (follow-up for GPU speed).
+            enforce_eager=True,
             enable_chunked_prefill=True,
         )
         if max_model_len:

@@ -123,9 +123,18 @@ class VxWorkerExtension:
         qsl = runner.query_start_loc.cpu[: num_reqs + 1].tolist()
         total = qsl[-1]
         stacked = torch.stack([h[:total] for h in aux], dim=1)  # [T, L, H], one gather on device
-        host = stacked.to("cpu", non_blocking=True) if stacked.device.type != "cpu" else stacked
-        if stacked.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()  # one sync per step, not per request
+        reused = stacked.device.type == "cuda"
+        if reused:  # one async copy into a pinned staging buffer, one sync per step
+            buf = getattr(self, "_vx_pinned", None)
+            if buf is None or buf.shape[0] < total or buf.dtype != stacked.dtype:
+                buf = torch.empty((max(total, getattr(runner, "max_num_tokens", total)),) + tuple(stacked.shape[1:]),
+                                  dtype=stacked.dtype, pin_memory=True)
+                self._vx_pinned = buf
+            host = buf[:total]
+            host.copy_(stacked, non_blocking=True)
+            torch.cuda.current_stream().synchronize()
+        else:
+            host = stacked
         for i, req_id in enumerate(batch.req_ids[:num_reqs]):
             key = _external_id(req_id)
             if key.startswith(WARMUP_PREFIX):
@@ -139,7 +148,7 @@ class VxWorkerExtension:
             piece = host[qsl[i]: qsl[i + 1]]
             if piece.shape[0] == 0:
                 continue
-            p["rows"].append(piece)  # a view of this step's fresh stack
+            p["rows"].append(piece.clone() if reused else piece)  # the staging buffer is reused
             p["n"] += piece.shape[0]
             prompt_len = int(batch.num_prompt_tokens[i])
             if p["n"] >= prompt_len:

