@@ -105,7 +105,7 @@ class PeakRss:
         self._stop = threading.Event()
 
     def __enter__(self):
-        self.peak = _tree_rss_bytes(os.getpid())
+        self.start = self.peak = _tree_rss_bytes(os.getpid())
         self._t = threading.Thread(target=self._run, daemon=True)
         self._t.start()
         return self

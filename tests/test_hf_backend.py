@@ -38,7 +38,8 @@ def test_hook_states_equal_the_per_sample_reference(fp32_model, mixed_samples, r
     ex = HFExtractor(fp32_model, layer_ids)
     try:
         seen = 0
-        for batch in length_sorted_batches(mixed_samples, batch_size, 10**9, sort_window=10**6):
+        for batch in length_sorted_batches(mixed_samples, batch_size, 10**9, sort_window=10**6,
+                                           min_padding_efficiency=0.0):
             assert len(batch) <= batch_size
             for s, got in zip(batch, ex.extract(batch)):
                 ref = reference[s.id]
@@ -90,10 +91,12 @@ def test_vision_language_checkpoint_extracts_text_only_and_equals_its_text_twin(
         assert torch.equal(x, y)
 
 
-def test_batches_are_length_sorted_and_bounded_by_tokens():
-    samples = [Sample(str(i), i, [0] * n, [1] * n) for i, n in enumerate([5, 100, 7, 99, 50, 51, 3])]
-    batches = list(length_sorted_batches(samples, batch_size=3, max_batch_tokens=200, sort_window=100))
+def test_batches_are_length_sorted_and_bounded_by_tokens_and_padding():
+    rng = random.Random(1)
+    samples = [Sample(str(i), i, [0] * n, [1] * n) for i, n in enumerate(rng.randint(1, 3000) for _ in range(500))]
+    batches = list(length_sorted_batches(samples, batch_size=64, max_batch_tokens=20000, sort_window=200))
     assert sorted(s.id for b in batches for s in b) == sorted(s.id for s in samples)
     for b in batches:
-        assert len(b) <= 3 and len(b[0]) * len(b) <= 200
+        assert len(b) <= 64 and (len(b) == 1 or len(b[0]) * len(b) <= 20000)
         assert [len(s) for s in b] == sorted((len(s) for s in b), reverse=True)
+        assert sum(len(s) for s in b) >= 0.95 * len(b[0]) * len(b)

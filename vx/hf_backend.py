@@ -26,28 +26,33 @@ class _StopForward(Exception):
 
 
 def length_sorted_batches(samples: Iterable[Sample], batch_size: int, max_batch_tokens: int,
-                          sort_window: int) -> Iterator[list[Sample]]:
+                          sort_window: int, min_padding_efficiency: float = 0.95) -> Iterator[list[Sample]]:
     """Sort each window of `sort_window` samples by length (longest first) and cut it into
-    batches of at most `batch_size` samples and `max_batch_tokens` padded tokens."""
+    batches of at most `batch_size` samples and `max_batch_tokens` padded tokens, in which real
+    tokens are at least `min_padding_efficiency` of the padded ones."""
     window: list[Sample] = []
     for s in samples:
         window.append(s)
         if len(window) >= sort_window:
-            yield from _cut(window, batch_size, max_batch_tokens)
+            yield from _cut(window, batch_size, max_batch_tokens, min_padding_efficiency)
             window = []
     if window:
-        yield from _cut(window, batch_size, max_batch_tokens)
+        yield from _cut(window, batch_size, max_batch_tokens, min_padding_efficiency)
 
 
-def _cut(window: list[Sample], batch_size: int, max_batch_tokens: int) -> Iterator[list[Sample]]:
+def _cut(window: list[Sample], batch_size: int, max_batch_tokens: int, min_eff: float) -> Iterator[list[Sample]]:
     window.sort(key=len, reverse=True)
     batch: list[Sample] = []
+    real = 0
     for s in window:
-        longest = len(batch[0]) if batch else len(s)
-        if batch and (len(batch) >= batch_size or longest * (len(batch) + 1) > max_batch_tokens):
-            yield batch
-            batch = []
+        if batch:
+            longest = len(batch[0])
+            padded = longest * (len(batch) + 1)
+            if len(batch) >= batch_size or padded > max_batch_tokens or (real + len(s)) < min_eff * padded:
+                yield batch
+                batch, real = [], 0
         batch.append(s)
+        real += len(s)
     if batch:
         yield batch
 

@@ -1,0 +1,219 @@
+"""Throughput of vx against the HF baselines and a bare vLLM prefill, side by side in one run.
+
+    python bench/throughput.py [--samples 120] [--reps 3]
+
+Modes, interleaved (A B C D, A B C D, ...) and reported as medians over reps:
+  hf-naive   HF, batch 1, output_hidden_states=True, full forward (the user's original)
+  hf-hooks   vx --backend hf: hooks on target layers, length-sorted token-budget batches, writing on
+  vllm-bare  the same vLLM engine settings and requests, prefill only, no capture, no writing
+  vx-vllm    vx --backend vllm: capture hook + shard writing in the worker
+Data: real public chat conversations (../shared/data/chat) tokenized with the real Qwen3.6
+vocabulary; model: tiny random hybrid GDN with that vocabulary. MFU counts only useful FLOPs
+(layers up to the last target, real tokens) against a bf16 matmul peak measured in the same run.
+Writes bench/results/<device>-<date>.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import PeakRss, bench_model, length_stats, matmul_peak_flops, real_samples, useful_flops  # noqa: E402
+
+
+def run_hf_naive(model, samples, layer_ids):
+    import torch
+
+    with torch.inference_mode():
+        for s in samples:
+            hs = model(torch.tensor([s.input_ids]), output_hidden_states=True).hidden_states
+            _ = torch.stack([hs[k + 1][0] for k in layer_ids], dim=1).cpu()  # [T, L, H]
+    return {"computed_tokens": sum(len(s) for s in samples), "bytes": 0}
+
+
+def run_hf_hooks(model, samples, layer_ids, hidden, out: Path, batch_size=128, max_batch_tokens=65536):
+    import torch
+
+    from vx.hf_backend import HFExtractor, length_sorted_batches
+    from vx.shards import ShardWriter
+
+    ex = HFExtractor(model, layer_ids)
+    writer = ShardWriter(out, {"model": "bench"}, 1 << 30, 0, len(layer_ids), hidden, torch.bfloat16)
+    computed = 0
+    try:
+        for batch in length_sorted_batches(samples, batch_size, max_batch_tokens, 8192):
+            computed += len(batch) * max(len(s) for s in batch)
+            for s, h in zip(batch, ex.extract(batch)):
+                writer.add(s.id, s.input_ids, s.loss_mask, h)
+        writer.close()
+    finally:
+        ex.remove()
+    return {"computed_tokens": computed, "bytes": writer.committed_bytes}
+
+
+def run_vllm_bare(llm, samples):
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    llm.generate([{"prompt_token_ids": s.input_ids} for s in samples], params, use_tqdm=False)
+    return {"computed_tokens": sum(len(s) for s in samples), "bytes": 0}
+
+
+def run_vx_vllm(ex, samples, hidden, out: Path):
+    stats = ex.run(samples, out, {"model": "bench"}, 1 << 30, 0, hidden, "bf16")
+    return {"computed_tokens": sum(len(s) for s in samples), "bytes": stats.get("bytes", 0)}
+
+
+def timed(fn, *args):
+    with PeakRss() as mem:
+        t = time.perf_counter()
+        extra = fn(*args)
+        wall = time.perf_counter() - t
+    return dict(extra, wall_s=wall, peak_rss=mem.peak, rss_growth=mem.peak - mem.start)
+
+
+def rss_scaling(ex, samples, hidden, tmp: Path, factor: int = 10) -> dict:
+    """Peak RSS growth of vx-vllm on N and factor x N samples, streamed from a generator, with
+    8 MB shards (memory is bounded by the open shard, so it must be small against the data)."""
+    from vx.dataset import Sample
+
+    def stream(n):
+        for i in range(n):
+            s = samples[i % len(samples)]
+            yield Sample(f"{s.id}-{i}", i, s.input_ids, s.loss_mask)
+
+    out = {}
+    for n in (len(samples), factor * len(samples)):
+        d = tmp / f"scaling-{n}"
+        d.mkdir()
+        r = timed(lambda: {"stats": ex.run(stream(n), d, {"model": "bench"}, 8 << 20, 0, hidden, "bf16")})
+        out[n] = {"rss_growth_gb": round(r["rss_growth"] / 1e9, 3), "wall_s": round(r["wall_s"], 2)}
+        shutil.rmtree(d)
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--samples", type=int, default=120)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=8, help="decoder layers of the bench model")
+    ap.add_argument("--modes", default="hf-naive,hf-hooks,vllm-bare,vx-vllm")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--no-rss-scaling", dest="rss_scaling", action="store_false",
+                    help="skip the N vs 10N samples peak-RSS check of vx-vllm")
+    args = ap.parse_args(argv)
+    modes = args.modes.split(",")
+
+    import torch
+
+    from vx.hf_backend import load_hf_model
+    from vx.layers import default_layer_ids
+    from vx.model import load_tokenizer, model_info
+
+    t0 = time.perf_counter()
+    model_dir = bench_model(args.layers)
+    info = model_info(model_dir)
+    layer_ids = default_layer_ids(info.num_layers)
+    samples = real_samples(load_tokenizer(model_dir), args.samples)
+    lengths = [len(s) for s in samples]
+    print(f"data: {length_stats(samples)}", file=sys.stderr)
+    peak = matmul_peak_flops()
+    print(f"bf16 matmul peak: {peak / 1e12:.3f} TFLOP/s", file=sys.stderr)
+
+    model = load_hf_model(model_dir, "bfloat16") if {"hf-naive", "hf-hooks"} & set(modes) else None
+    llm = ex = None
+    if "vllm-bare" in modes or "vx-vllm" in modes:
+        from vllm import LLM
+
+        from vx.vllm_backend import VllmExtractor, _cpu_env
+
+        _cpu_env()
+        if "vllm-bare" in modes:
+            llm = LLM(model=str(model_dir), dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False,
+                      gpu_memory_utilization=0.1 if not torch.cuda.is_available() else 0.4, seed=0)
+            run_vllm_bare(llm, samples[:8])  # warm-up, like vx's
+        if "vx-vllm" in modes:
+            ex = VllmExtractor(model_dir, layer_ids,
+                               gpu_memory_utilization=0.1 if not torch.cuda.is_available() else 0.4)
+    setup_s = time.perf_counter() - t0
+
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    tmp = Path(tempfile.mkdtemp(prefix="vx-bench-"))
+    try:
+        for rep in range(args.reps):
+            for m in modes:
+                out = tmp / f"{m}-{rep}"
+                out.mkdir()
+                if m == "hf-naive":
+                    r = timed(run_hf_naive, model, samples, layer_ids)
+                elif m == "hf-hooks":
+                    r = timed(run_hf_hooks, model, samples, layer_ids, info.hidden_size, out)
+                elif m == "vllm-bare":
+                    r = timed(run_vllm_bare, llm, samples)
+                else:
+                    r = timed(run_vx_vllm, ex, samples, info.hidden_size, out)
+                runs[m].append(r)
+                shutil.rmtree(out)
+                print(f"rep {rep} {m:10s} {r['wall_s']:7.2f}s", file=sys.stderr)
+        scaling = rss_scaling(ex, samples, info.hidden_size, tmp) if ex is not None and args.rss_scaling else None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if ex is not None:
+            ex.close()
+
+    flops = useful_flops(__import__("transformers").AutoConfig.from_pretrained(model_dir), max(layer_ids), lengths)
+    tokens = sum(lengths)
+    table = {}
+    for m, rs in runs.items():
+        wall = statistics.median(r["wall_s"] for r in rs)
+        table[m] = {
+            "samples_per_s": len(samples) / wall, "tokens_per_s": tokens / wall,
+            "padding_efficiency": tokens / rs[0]["computed_tokens"],
+            "peak_rss_gb": max(r["peak_rss"] for r in rs) / 1e9,
+            "rss_growth_gb": max(r["rss_growth"] for r in rs) / 1e9,
+            "output_mb_per_s": statistics.median(r["bytes"] for r in rs) / wall / 1e6,
+            "mfu": flops / wall / peak, "wall_s_runs": [round(r["wall_s"], 3) for r in rs],
+        }
+    for m in table:
+        for base in ("hf-naive", "vllm-bare"):
+            if base in table:
+                table[m][f"x_{base}"] = table[m]["samples_per_s"] / table[base]["samples_per_s"]
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu-{platform.machine()}"
+    result = {"date": date.today().isoformat(), "device": device, "threads": torch.get_num_threads(),
+              "model": {"path": str(model_dir), "layers": info.num_layers, "hidden": info.hidden_size,
+                        "vocab": 248320, "layer_ids": layer_ids},
+              "data": length_stats(samples), "matmul_peak_tflops": peak / 1e12, "setup_s": setup_s,
+              "reps": args.reps, "modes": table, "rss_scaling_vx_vllm": scaling}
+    print_table(result)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{device.replace(' ', '_')}-{result['date']}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}", file=sys.stderr)
+    return result
+
+
+def print_table(result) -> None:
+    cols = ["samples/s", "tokens/s", "pad eff", "RSS +GB", "out MB/s", "MFU", "x hf-naive", "x vllm-bare"]
+    print(f"{'mode':10s} " + " ".join(f"{c:>11s}" for c in cols))
+    for m, r in result["modes"].items():
+        vals = [f"{r['samples_per_s']:.2f}", f"{r['tokens_per_s']:.0f}", f"{r['padding_efficiency']:.3f}",
+                f"{r['rss_growth_gb']:.2f}", f"{r['output_mb_per_s']:.1f}", f"{r['mfu'] * 100:.2f}%",
+                f"{r.get('x_hf-naive', float('nan')):.2f}", f"{r.get('x_vllm-bare', float('nan')):.3f}"]
+        print(f"{m:10s} " + " ".join(f"{v:>11s}" for v in vals))
+    if result.get("rss_scaling_vx_vllm"):
+        print("vx-vllm peak RSS growth by dataset size:", json.dumps(result["rss_scaling_vx_vllm"]))
+
+
+if __name__ == "__main__":
+    main()
