@@ -27,6 +27,10 @@ from datetime import date
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# Small shards, so writing overlaps compute as it does in a long run with 1 GB shards (the last
+# shard's flush is serial; in a 120-sample run a 1 GB shard would make it the whole output).
+SHARD_BYTES = 16 << 20
+
 from common import PeakRss, bench_model, length_stats, matmul_peak_flops, real_samples, useful_flops  # noqa: E402
 
 
@@ -47,7 +51,7 @@ def run_hf_hooks(model, samples, layer_ids, hidden, out: Path, batch_size=128, m
     from vx.shards import ShardWriter
 
     ex = HFExtractor(model, layer_ids)
-    writer = ShardWriter(out, {"model": "bench"}, 1 << 30, 0, len(layer_ids), hidden, torch.bfloat16)
+    writer = ShardWriter(out, {"model": "bench"}, SHARD_BYTES, 0, len(layer_ids), hidden, torch.bfloat16)
     computed = 0
     try:
         for batch in length_sorted_batches(samples, batch_size, max_batch_tokens, 8192):
@@ -69,7 +73,7 @@ def run_vllm_bare(llm, samples):
 
 
 def run_vx_vllm(ex, samples, hidden, out: Path):
-    stats = ex.run(samples, out, {"model": "bench"}, 1 << 30, 0, hidden, "bf16")
+    stats = ex.run(samples, out, {"model": "bench"}, SHARD_BYTES, 0, hidden, "bf16")
     return {"computed_tokens": sum(len(s) for s in samples), "bytes": stats.get("bytes", 0)}
 
 

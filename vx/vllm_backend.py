@@ -1,6 +1,6 @@
 """vLLM backend driver: stream samples into vLLM's continuous-batching engine, prefill only.
 
-The driver only registers and submits requests and follows progress; the capture hook and the
+The driver only submits requests and follows progress; the capture hook and the
 shard writer live in vLLM's worker process (vx/vllm_worker.py), so hidden states never travel
 through vLLM's RPC. Requests are fed as the model tokenizer's own token ids (no re-tokenization),
 `max_tokens=1` (the sampled token is discarded), prefix caching off (a cached prefix would never
@@ -32,6 +32,14 @@ def _cpu_env() -> None:
         # vLLM reserves one core for its engine process by default; on small CPU machines the
         # worker then runs on one thread. vx's engine process only feeds requests.
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+
+
+def request_params(s: Sample):
+    """Prefill only; the sample's id, loss mask and real length ride along for the worker."""
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                          extra_args={"vx_id": s.id, "vx_mask": bytes(s.loss_mask), "vx_keep": len(s)})
 
 
 def prompt_ids(s: Sample) -> list[int]:
@@ -115,7 +123,6 @@ class VllmExtractor:
         it: Iterator[Sample] = iter(samples)
         exhausted = False
         seq = 0
-        params = self._params()
         try:
             while True:
                 if not exhausted and len(in_flight) < cap:
@@ -131,12 +138,9 @@ class VllmExtractor:
                             continue
                         new.append((f"vx-{seq}", s))
                         seq += 1
-                    if new:
-                        self.llm.collective_rpc("vx_register", args=(
-                            [(key, s.id, bytes(s.loss_mask), len(s)) for key, s in new],))
-                        for key, s in new:
-                            self.engine.add_request(key, {"prompt_token_ids": prompt_ids(s)}, params)
-                            in_flight[key] = s
+                    for key, s in new:
+                        self.engine.add_request(key, {"prompt_token_ids": prompt_ids(s)}, request_params(s))
+                        in_flight[key] = s
                 if not in_flight:
                     if exhausted:
                         break

@@ -10,6 +10,8 @@ How the capture works (vLLM 0.32):
 - The model runner's `_model_forward` is wrapped: after each step it maps rows to requests with
   `input_batch.req_ids` and `query_start_loc`, checks each piece starts where the request's
   captured rows end (chunked prefill pieces arrive in position order), and appends it.
+- Each request carries its sample id and loss mask in `SamplingParams.extra_args` (read from
+  the runner's request state), so the driver makes no RPC per request.
 - A request whose rows reach its prompt length is complete: its states go straight to a
   ShardWriter in this process. Hidden states never cross vLLM's RPC.
 - Only tensor-parallel rank 0 captures. Anything the hook relies on that is missing raises.
@@ -84,15 +86,6 @@ class VxWorkerExtension:
             self._vx_writer = ShardWriter(Path(out_dir), shard_meta, shard_bytes, next_shard,
                                           len(self._vx_layer_ids), hidden_size, STORE_DTYPES[store_dtype])
 
-    def vx_register(self, items: list[tuple[str, str, bytes, int]]) -> None:
-        """Announce requests: (request key, sample id, loss mask as bytes of 0/1, rows to keep).
-
-        Rows to keep < prompt length when the driver extended a prompt (see vllm_backend)."""
-        if self._vx_rank0:
-            for key, sample_id, mask, keep in items:
-                self._vx_pending[key] = {"sample_id": sample_id, "loss_mask": list(mask), "rows": [], "n": 0,
-                                         "keep": keep}
-
     def vx_finish(self) -> dict:
         """Commit the last shard; return stats. Requests still pending are an error."""
         if not self._vx_rank0:
@@ -141,7 +134,7 @@ class VxWorkerExtension:
                 continue
             p = self._vx_pending.get(key)
             if p is None:
-                raise RuntimeError(f"vx: request {req_id!r} was never registered; refusing to drop its states")
+                p = self._vx_pending[key] = self._vx_request(runner, req_id)
             start = int(batch.num_computed_tokens_cpu[i])
             if start != p["n"]:
                 raise RuntimeError(f"vx: request {key} piece starts at {start}, captured {p['n']} rows so far")
@@ -154,6 +147,17 @@ class VxWorkerExtension:
             if p["n"] >= prompt_len:
                 self._vx_complete(key, p, batch.token_ids_cpu[i, :prompt_len])
         self._vx_stats["capture_s"] += time.perf_counter() - t0
+
+    @staticmethod
+    def _vx_request(runner, req_id: str) -> dict:
+        """A request's sample id, loss mask and rows to keep, carried in its SamplingParams.extra_args
+        (so no RPC per request). A request without them is an error: its states would be dropped."""
+        state = getattr(runner, "requests", {}).get(req_id)
+        extra = (getattr(getattr(state, "sampling_params", None), "extra_args", None) or {}) if state else {}
+        if "vx_id" not in extra:
+            raise RuntimeError(f"vx: request {req_id!r} carries no vx sample id; refusing to drop its states")
+        return {"sample_id": extra["vx_id"], "loss_mask": list(extra["vx_mask"]), "keep": extra["vx_keep"],
+                "rows": [], "n": 0}
 
     def _vx_complete(self, key: str, p: dict, token_ids) -> None:
         hidden = p["rows"][0] if len(p["rows"]) == 1 else torch.cat(p["rows"], dim=0)  # [T, L, H]

@@ -22,7 +22,9 @@ def bench(
     """Throughput of vx vs HF baselines and bare vLLM, side by side (needs a source checkout).
 
     Examples:
+
       vx bench
+
       vx bench --samples 40 --reps 1 --modes vllm-bare,vx-vllm
     """
     from ..errors import UsageError

@@ -41,8 +41,11 @@ def extract(
     """Extract target-layer hidden states for every token of every sample.
 
     Examples:
+
       vx extract examples/chat.jsonl -o out/
+
       vx extract chats.jsonl -o out/ --model /models/Qwen3.6-27B --layers 1,16,31,46,61
+
       vx extract chats.jsonl -o out/ --backend hf --batch-size 64 --max-length 4096 --overlong skip
     """
     from ..config import ExtractConfig

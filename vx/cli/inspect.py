@@ -20,7 +20,9 @@ def inspect(
     """Summarise an extraction: samples, tokens, shards, bytes, layers, dtype, errors.
 
     Examples:
+
       vx inspect out/
+
       vx inspect out/ --sample 42
     """
     from ..errors import UsageError
