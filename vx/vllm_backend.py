@@ -163,7 +163,7 @@ class VllmExtractor:
             pass
 
 
-def run_vllm(cfg, model_dir, info, layer_ids, samples, writer_factory, bar, t0, errors):
+def run_vllm(cfg, model_dir, info, layer_ids, samples, shard_args, bar, t0, errors):
     """The `vx extract --backend vllm` job; returns (load_s, warmup_s, extract_s, samples, tokens, stats)."""
     if cfg.dtype not in ("auto", "bfloat16", "float16", "float32"):
         raise UsageError(f"--dtype {cfg.dtype} is not supported by the vllm backend")
@@ -187,10 +187,11 @@ def run_vllm(cfg, model_dir, info, layer_ids, samples, writer_factory, bar, t0, 
 
     t1 = time.perf_counter()
     try:
-        stats = ex.run(samples, cfg.output, *writer_factory, on_done=done, on_reject=reject)
+        stats = ex.run(samples, cfg.output, *shard_args, on_done=done, on_reject=reject)
+        extract_s = time.perf_counter() - t1  # the engine's shutdown is not extraction time
     finally:
         ex.close()
-    return load_s, ex.warmup_s, time.perf_counter() - t1, counts["n"], counts["tokens"], stats
+    return load_s, ex.warmup_s, extract_s, counts["n"], counts["tokens"], stats
 
 
 def shard_meta_json(meta: dict) -> dict:
