@@ -38,7 +38,7 @@ def shard_write(out: Path, total: int, shard_mb: int) -> tuple[float, int]:
     layers, hidden, tokens = 5, 5120, 512  # one sample = 512 tokens of a 27B-shaped target
     sample = torch.randn(tokens, layers, hidden).to(torch.bfloat16)
     per = sample.numel() * 2
-    writer = ShardWriter(out, {"model": "bench"}, shard_mb << 20, 0, layers, hidden, torch.bfloat16)
+    writer = ShardWriter(out, {"model": "bench"}, shard_mb << 20, 0, layers, hidden, "bf16")
     ids, mask = list(range(tokens)), [1] * tokens
     t = time.perf_counter()
     for i in range(max(1, total // per)):

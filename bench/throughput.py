@@ -51,7 +51,7 @@ def run_hf_hooks(model, samples, layer_ids, hidden, out: Path, batch_size=128, m
     from vx.shards import ShardWriter
 
     ex = HFExtractor(model, layer_ids)
-    writer = ShardWriter(out, {"model": "bench"}, SHARD_BYTES, 0, len(layer_ids), hidden, torch.bfloat16)
+    writer = ShardWriter(out, {"model": "bench"}, SHARD_BYTES, 0, len(layer_ids), hidden, "bf16")
     computed = 0
     try:
         for batch in length_sorted_batches(samples, batch_size, max_batch_tokens, 8192):

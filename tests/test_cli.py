@@ -79,3 +79,27 @@ def test_vllm_and_hf_backends_produce_the_same_samples_through_the_cli(tmp_path,
         assert v[sid]["input_ids"].tolist() == h[sid]["input_ids"].tolist()
         assert v[sid]["loss_mask"].tolist() == h[sid]["loss_mask"].tolist()
         assert v[sid]["hidden_states"].shape == h[sid]["hidden_states"].shape
+
+
+def test_verify_passes_on_a_good_output_and_catches_corruption_and_off_by_one(tmp_path, tiny_model):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": f"sample {i} " * (i + 3)}) + "\n" for i in range(6)))
+    out = tmp_path / "o"
+    assert vx_cmd("extract", str(data), "-o", str(out), "--backend", "hf", "--layers", "1,2,7").returncode == 0
+    ok = vx_cmd("verify", str(out), "--samples", "3", "--json")
+    assert ok.returncode == 0, ok.stderr
+    report = json.loads(ok.stdout)
+    assert report["ok"] and report["samples_checked"] == 3 and all(l["min_cosine"] > 0.999 for l in report["layers"])
+    # a layer off by one (what peers shipped) is caught
+    meta = json.loads((out / "vx.json").read_text())
+    (out / "vx.json").write_text(json.dumps(dict(meta, layer_ids=[2, 3, 7])))
+    bad = vx_cmd("verify", str(out), "--samples", "2")
+    assert bad.returncode == 1 and "MISMATCH" in bad.stdout
+    (out / "vx.json").write_text(json.dumps(meta))
+    # a flipped byte in a shard is caught by the checksum
+    shard = next(out.glob("shard-*.safetensors"))
+    raw = bytearray(shard.read_bytes())
+    raw[-10] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    bad = vx_cmd("verify", str(out), "--samples", "0")
+    assert bad.returncode == 1 and shard.name in bad.stdout

@@ -83,3 +83,32 @@ def test_pretokenized_text_ids_and_truncation(tokenizer, tmp_path):
 def test_ids_outside_the_vocabulary_are_bad_lines(tokenizer, tmp_path):
     [item] = read_samples(write_jsonl(tmp_path / "d.jsonl", [{"input_ids": [1, 10**7]}]), tokenizer)
     assert isinstance(item, BadLine) and "vocabulary" in item.reason
+
+
+def test_a_sample_whose_states_go_bad_is_recorded_with_its_line_and_not_committed(tiny_model, tmp_path, monkeypatch):
+    import torch
+
+    from vx import hf_backend
+
+    real_extract = hf_backend.HFExtractor.extract
+
+    def corrupt(self, batch):  # inject: NaN states for one sample, an all-zero layer for another
+        out = [h.clone() for h in real_extract(self, batch)]
+        for s, h in zip(batch, out):
+            if s.id == "nan":
+                h[0, 0, 0] = float("nan")
+            if s.id == "zero":
+                h[:, 1] = 0
+        return out
+
+    monkeypatch.setattr(hf_backend.HFExtractor, "extract", corrupt)
+    rows = [dict(GOOD, id="ok"), dict(GOOD, id="nan"), dict(GOOD, id="zero"), dict(GOOD, id="ok2")]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    summary = run_extract(ExtractConfig(data=data, output=tmp_path / "out", backend="hf"), progress=False)
+    errors = {e["id"]: e for e in map(json.loads, (tmp_path / "out" / "errors.jsonl").read_text().splitlines())}
+    assert set(errors) == {"nan", "zero"} and errors["nan"]["line"] == 2 and errors["zero"]["line"] == 3
+    assert "NaN" in errors["nan"]["reason"] and "all zero" in errors["zero"]["reason"]
+    import vx
+
+    assert sorted(vx.open_dataset(tmp_path / "out").ids) == ["ok", "ok2"] and summary.samples == 2
+    assert torch.isfinite(vx.open_dataset(tmp_path / "out")["ok"]["hidden_states"].float()).all()

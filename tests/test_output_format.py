@@ -13,7 +13,7 @@ L, H = 3, 16
 META = {"model": "m", "layer_ids": [0, 1, 2], "store_dtype": "bf16", "hidden_size": H}
 
 
-def write(out, samples, shard_bytes=10_000, dtype=torch.bfloat16):
+def write(out, samples, shard_bytes=10_000, dtype="bf16"):
     state = prepare_output(out, META, overwrite=False)
     w = ShardWriter(out, {"model": "m"}, shard_bytes, state.next_shard, L, H, dtype)
     for sid, ids, mask, h in samples:
@@ -80,3 +80,36 @@ def test_a_rerun_repairs_the_output_and_continues_numbering(tmp_path):
     assert not (tmp_path / ".shard-00001.safetensors.tmp").exists()
     assert not (tmp_path / "shard-00001.safetensors").exists()
     assert (tmp_path / MANIFEST).read_text().endswith("\n")
+
+
+def test_fp8_round_trip_is_within_the_stated_bound(tmp_path):
+    g = torch.Generator().manual_seed(3)
+    h = (torch.randn(50, L, H, generator=g) * torch.logspace(-3, 2, 50).view(50, 1, 1)).to(torch.bfloat16)
+    write(tmp_path, [("a", list(range(50)), [1] * 50, h)], dtype="fp8")
+    back = vx.open_dataset(tmp_path)["a"]["hidden_states"]
+    assert back.dtype == torch.bfloat16 and back.shape == h.shape
+    x = h.float()
+    amax = x.abs().amax(dim=2, keepdim=True)
+    err = (back.float() - x).abs()
+    assert (err <= amax / 16 + 1e-12).all()  # README: max |x - dequant(x)| <= amax / 16 per token and layer
+    rec = read_manifest(tmp_path)[0]
+    assert rec["bytes"] < 50 * (L * H + 4 * L + 5) + 4096  # ~1 byte per value + a scale per token-layer
+
+
+def test_samples_with_nan_or_an_all_zero_layer_are_rejected_never_committed(tmp_path):
+    good = make(2)
+    nan = torch.ones(4, L, H, dtype=torch.bfloat16)
+    nan[2, 1, 3] = float("nan")
+    zero = torch.ones(4, L, H, dtype=torch.bfloat16)
+    zero[:, 2] = 0
+    reasons = []
+    state = prepare_output(tmp_path, META, overwrite=False)
+    w = ShardWriter(tmp_path, {}, 10**9, state.next_shard, L, H, "bf16", on_reject=lambda i, r: reasons.append((i, r)))
+    w.add(*good[0])
+    w.add("nan", [1, 2, 3, 4], [1] * 4, nan)
+    w.add("zero", [1, 2, 3, 4], [1] * 4, zero)
+    w.add(*good[1])
+    w.close()
+    assert [i for i, _ in reasons] == ["nan", "zero"]
+    assert "NaN" in reasons[0][1] and "all zero" in reasons[1][1]
+    assert vx.open_dataset(tmp_path).ids == ["id-0", "id-1"]

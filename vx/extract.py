@@ -16,7 +16,8 @@ from .layers import check_layer_ids, default_layer_ids
 from .model import load_tokenizer, model_info, resolve_model
 from .output import ErrorLog, prepare_output
 from .progress import RunProgress
-from .shards import STORE_DTYPES, ShardWriter
+from .errors import VxError
+from .shards import ShardWriter
 
 
 @dataclass
@@ -97,15 +98,24 @@ def run_extract(cfg: ExtractConfig, progress: bool | None = None) -> Summary:
 
     try:
         if backend == "hf":
+            lines: dict[str, int] = {}
+
+            def reject(sample_id: str, reason: str) -> None:
+                errors.write({"line": lines.get(sample_id), "id": sample_id, "reason": reason})
+                if cfg.strict:
+                    raise VxError(f"sample {sample_id!r} rejected: {reason} (--strict)")
+
             writer = ShardWriter(cfg.output, shard_meta, shard_args[1], state.next_shard, len(layer_ids),
-                                 info.hidden_size, STORE_DTYPES[cfg.store_dtype])
-            *stats, = _run_hf(cfg, model_dir, layer_ids, tokenizer, good_samples(), writer, bar, t0)
+                                 info.hidden_size, cfg.store_dtype, on_reject=reject)
+            *stats, = _run_hf(cfg, model_dir, layer_ids, tokenizer, good_samples(), writer, bar, t0, lines)
             shards, nbytes = writer.committed_shards, writer.committed_bytes
         else:
             from .vllm_backend import run_vllm
 
             *stats, wstats = run_vllm(cfg, model_dir, info, layer_ids, good_samples(), shard_args, bar, t0, errors)
             shards, nbytes = wstats.get("shards", 0), wstats.get("bytes", 0)
+            if cfg.strict and wstats.get("rejected"):
+                raise VxError(f"{len(wstats['rejected'])} samples rejected (--strict): {wstats['rejected'][:3]}")
     finally:
         errors.close()
         bar.close()
@@ -114,7 +124,7 @@ def run_extract(cfg: ExtractConfig, progress: bool | None = None) -> Summary:
                    shards, nbytes, load_s, warmup_s, extract_s)
 
 
-def _run_hf(cfg, model_dir, layer_ids, tokenizer, samples, writer, bar, t0):
+def _run_hf(cfg, model_dir, layer_ids, tokenizer, samples, writer, bar, t0, lines):
     from .hf_backend import HFExtractor, length_sorted_batches, load_hf_model
 
     model = load_hf_model(model_dir, cfg.dtype, cfg.device)
@@ -124,10 +134,13 @@ def _run_hf(cfg, model_dir, layer_ids, tokenizer, samples, writer, bar, t0):
     t1 = time.perf_counter()
     n = tokens = 0
     for batch in length_sorted_batches(samples, cfg.batch_size, cfg.max_batch_tokens, cfg.sort_window):
+        lines.clear()
+        lines.update((s.id, s.line) for s in batch)
         for s, h in zip(batch, extractor.extract(batch)):
             writer.add(s.id, s.input_ids, s.loss_mask, h)
         n += len(batch)
         tokens += sum(len(s) for s in batch)
         bar.advance(len(batch), sum(len(s) for s in batch), writer.added_bytes)
     writer.close()
-    return load_s, 0.0, time.perf_counter() - t1, n, tokens
+    rejected = {sid for sid, _ in writer.rejected}
+    return load_s, 0.0, time.perf_counter() - t1, n - len(rejected), tokens

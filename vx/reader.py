@@ -1,7 +1,8 @@
 """`vx.open_dataset(dir)`: read an extraction back, zero-copy, as a torch Dataset.
 
 Only shards recorded in manifest.jsonl are visible. Tensors are views into a private
-(copy-on-write) mmap of the shard file: nothing is read until it is touched.
+(copy-on-write) mmap of the shard file: nothing is read until it is touched. fp8 shards are
+dequantized to bf16 on access (that one is a copy).
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from torch.utils.data import Dataset
 
 from .errors import UsageError
 from .shards import RUN_META, read_manifest
+from .storage import decode
 
 _TORCH_DTYPE = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I32": torch.int32,
-                "U8": torch.uint8, "I64": torch.int64}
+                "U8": torch.uint8, "I64": torch.int64, "F8_E4M3": torch.float8_e4m3fn}
 
 
 class ShardFile:
@@ -96,7 +98,8 @@ class VxDataset(Dataset):
             "id": self.ids[i],
             "input_ids": shard.tensor("input_ids")[a:b],
             "loss_mask": shard.tensor("loss_mask")[a:b],
-            "hidden_states": shard.tensor("hidden_states")[a:b],
+            "hidden_states": decode(shard.tensor("hidden_states")[a:b],
+                                    shard.tensor("hidden_scales")[a:b] if "hidden_scales" in shard.entries else None),
         }
 
     def __getstate__(self):  # picklable for DataLoader workers: maps are reopened lazily

@@ -31,9 +31,10 @@ ERRORS = "errors.jsonl"
 RUN_META = "vx.json"
 SHARD_FORMAT = "vx-shard-1"
 
-STORE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+from .storage import STORE_DTYPES, SampleRejected, check_states, encode  # noqa: F401  (re-exported)
+
 _ST_DTYPE = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int32: "I32",
-             torch.uint8: "U8", torch.int64: "I64"}
+             torch.uint8: "U8", torch.int64: "I64", torch.float8_e4m3fn: "F8_E4M3"}
 
 
 def shard_name(index: int) -> str:
@@ -91,6 +92,7 @@ class PendingShard:
     index: int
     ids: list[str] = field(default_factory=list)
     hidden: list[torch.Tensor] = field(default_factory=list)
+    scales: list[torch.Tensor] = field(default_factory=list)
     input_ids: list[torch.Tensor] = field(default_factory=list)
     loss_mask: list[torch.Tensor] = field(default_factory=list)
     tokens: int = 0
@@ -105,13 +107,15 @@ class ShardWriter:
     """
 
     def __init__(self, out_dir: Path, metadata: dict[str, str], shard_bytes: int, next_index: int,
-                 layer_count: int, hidden_size: int, store_dtype: torch.dtype):
+                 layer_count: int, hidden_size: int, store_dtype: str, on_reject=None):
         self.out_dir = Path(out_dir)
         self.metadata = metadata
         self.shard_bytes = shard_bytes
         self.layer_count = layer_count
         self.hidden_size = hidden_size
         self.store_dtype = store_dtype
+        self.on_reject = on_reject  # called (sample_id, reason) for a sample failing check_states
+        self.rejected: list[tuple[str, str]] = []
         self.open = PendingShard(next_index)
         self.committed_bytes = 0
         self.added_bytes = 0  # hidden states + ids + masks handed to add(), committed or not
@@ -129,15 +133,25 @@ class ShardWriter:
         if hidden.shape != (t, self.layer_count, self.hidden_size):
             raise RuntimeError(f"sample {sample_id}: hidden states {tuple(hidden.shape)} != "
                                f"({t}, {self.layer_count}, {self.hidden_size})")
-        h = hidden.to("cpu", self.store_dtype).contiguous()
+        try:
+            check_states(hidden, t)
+        except SampleRejected as e:
+            self.rejected.append((sample_id, str(e)))
+            if self.on_reject is not None:
+                self.on_reject(sample_id, str(e))
+            return
+        h, scales = encode(hidden, self.store_dtype)
         s = self.open
         s.ids.append(sample_id)
         s.hidden.append(h)
+        if scales is not None:
+            s.scales.append(scales)
         s.input_ids.append(torch.tensor(input_ids, dtype=torch.int32))
         s.loss_mask.append(torch.tensor(loss_mask, dtype=torch.uint8))
         s.tokens += t
-        s.nbytes += h.numel() * h.element_size() + 5 * t
-        self.added_bytes += h.numel() * h.element_size() + 5 * t
+        nbytes = h.numel() * h.element_size() + 5 * t + (scales.numel() * 4 if scales is not None else 0)
+        s.nbytes += nbytes
+        self.added_bytes += nbytes
         if s.nbytes >= self.shard_bytes:
             self._hand_off()
 
@@ -184,13 +198,12 @@ class ShardWriter:
         offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
         offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
         meta = dict(self.metadata, format=SHARD_FORMAT, sample_ids=json.dumps(s.ids))
-        nbytes, sha = write_safetensors(
-            tmp,
-            {"hidden_states": s.hidden, "input_ids": s.input_ids, "loss_mask": s.loss_mask, "offsets": [offsets]},
-            {"hidden_states": [s.tokens, self.layer_count, self.hidden_size], "input_ids": [s.tokens],
-             "loss_mask": [s.tokens], "offsets": [len(lengths) + 1]},
-            meta,
-        )
+        tensors = {"hidden_states": s.hidden, "input_ids": s.input_ids, "loss_mask": s.loss_mask, "offsets": [offsets]}
+        shapes = {"hidden_states": [s.tokens, self.layer_count, self.hidden_size], "input_ids": [s.tokens],
+                  "loss_mask": [s.tokens], "offsets": [len(lengths) + 1]}
+        if s.scales:
+            tensors["hidden_scales"], shapes["hidden_scales"] = s.scales, [s.tokens, self.layer_count]
+        nbytes, sha = write_safetensors(tmp, tensors, shapes, meta)
         os.rename(tmp, self.out_dir / name)
         fsync_dir(self.out_dir)
         record = {"shard": name, "sample_ids": s.ids, "num_samples": len(s.ids), "num_tokens": s.tokens,

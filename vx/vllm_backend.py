@@ -120,6 +120,7 @@ class VllmExtractor:
                                                   store_dtype))
         cap = max_in_flight or 2 * self.max_num_seqs
         in_flight: dict[str, Sample] = {}
+        lines: dict[str, int] = {}  # sample id -> dataset line, for rejections reported at the end
         it: Iterator[Sample] = iter(samples)
         exhausted = False
         seq = 0
@@ -137,6 +138,7 @@ class VllmExtractor:
                                 on_reject(s, f"{len(s)} tokens >= the engine's max_model_len {self.max_model_len}")
                             continue
                         new.append((f"vx-{seq}", s))
+                        lines[s.id] = s.line
                         seq += 1
                     for key, s in new:
                         self.engine.add_request(key, {"prompt_token_ids": prompt_ids(s)}, request_params(s))
@@ -152,6 +154,9 @@ class VllmExtractor:
                             on_done(s)
         finally:
             stats = self.llm.collective_rpc("vx_finish")[0]
+        for sample_id, reason in stats.get("rejected", []):
+            if on_reject:
+                on_reject(Sample(sample_id, lines.get(sample_id, 0), [], []), reason)
         if stats.get("incomplete"):
             raise VxError(f"vLLM finished requests whose states were not fully captured: {stats['incomplete'][:5]}")
         return stats
@@ -191,7 +196,7 @@ def run_vllm(cfg, model_dir, info, layer_ids, samples, shard_args, bar, t0, erro
         extract_s = time.perf_counter() - t1  # the engine's shutdown is not extraction time
     finally:
         ex.close()
-    return load_s, ex.warmup_s, extract_s, counts["n"], counts["tokens"], stats
+    return load_s, ex.warmup_s, extract_s, counts["n"] - len(stats.get("rejected", [])), counts["tokens"], stats
 
 
 def shard_meta_json(meta: dict) -> dict:

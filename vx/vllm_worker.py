@@ -78,13 +78,13 @@ class VxWorkerExtension:
     def vx_begin(self, out_dir: str, shard_meta: dict, shard_bytes: int, next_shard: int, hidden_size: int,
                  store_dtype: str) -> None:
         """Open a ShardWriter for one run (rank 0 only)."""
-        from .shards import STORE_DTYPES, ShardWriter
+        from .shards import ShardWriter
 
         self._vx_pending.clear()
         self._vx_stats = {"samples": 0, "tokens": 0, "capture_s": 0.0}
         if self._vx_rank0:
             self._vx_writer = ShardWriter(Path(out_dir), shard_meta, shard_bytes, next_shard,
-                                          len(self._vx_layer_ids), hidden_size, STORE_DTYPES[store_dtype])
+                                          len(self._vx_layer_ids), hidden_size, store_dtype)
 
     def vx_finish(self) -> dict:
         """Commit the last shard; return stats. Requests still pending are an error."""
@@ -95,7 +95,7 @@ class VxWorkerExtension:
             writer.close()
         stats = dict(self._vx_stats)
         if writer is not None:
-            stats.update(shards=writer.committed_shards, bytes=writer.committed_bytes)
+            stats.update(shards=writer.committed_shards, bytes=writer.committed_bytes, rejected=writer.rejected)
         stats["incomplete"] = sorted(v["sample_id"] for v in self._vx_pending.values() if v["n"])
         return stats
 

@@ -25,7 +25,7 @@ def extract(
     max_length: Annotated[Optional[int], typer.Option(help="Longest sample in tokens; see --overlong.")] = None,
     overlong: Annotated[str, typer.Option(help="truncate or skip samples over --max-length.")] = "truncate",
     dtype: Annotated[str, typer.Option(help="Compute dtype: auto (the checkpoint's), bfloat16, float16, float32.")] = "auto",
-    store_dtype: Annotated[str, typer.Option(help="Stored hidden-state dtype: bf16, fp16, fp32.")] = "bf16",
+    store_dtype: Annotated[str, typer.Option(help="Stored hidden-state dtype: bf16, fp16, fp32, fp8 (e4m3 + a float32 scale per token per layer; the reader dequantizes).")] = "bf16",
     shard_size: Annotated[float, typer.Option(help="Target shard size in MB.")] = 1024.0,
     strict: Annotated[bool, typer.Option(help="Any bad dataset line is fatal, checked before any compute.")] = False,
     overwrite: Annotated[bool, typer.Option(help="Delete an existing extraction in --output first.")] = False,

@@ -1,0 +1,51 @@
+"""`vx verify`: checksums and a recompute of random samples against the HF reference."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from . import app
+
+
+@app.command(no_args_is_help=True)
+def verify(
+    output: Annotated[Path, typer.Argument(help="An extraction output directory.")],
+    model: Annotated[Optional[str], typer.Option(help="Model to recompute with. Default: the one in vx.json.")] = None,
+    samples: Annotated[int, typer.Option(help="Random committed samples to recompute (0: checksums only).")] = 8,
+    min_cosine: Annotated[float, typer.Option(help="Per sample and layer, cosine below this is a mismatch.")] = 0.999,
+    json_out: Annotated[bool, typer.Option("--json", help="Print as one JSON object.")] = False,
+):
+    """Check every shard against the manifest and recompute samples with HF; exit 1 on mismatch.
+
+    Examples:
+
+      vx verify out/
+
+      vx verify out/ --samples 32 --model /models/Qwen3.6-27B
+    """
+    from ..errors import VxError
+    from ..verify import verify as run_verify
+
+    r = run_verify(output, model, samples, min_cosine)
+    worst = {}
+    for s in r.samples:
+        w = worst.setdefault(s["layer"], {"layer": s["layer"], "min_cosine": 1.0, "max_abs_diff": 0.0})
+        w["min_cosine"] = min(w["min_cosine"], s["cosine"])
+        w["max_abs_diff"] = max(w["max_abs_diff"], s["max_abs_diff"])
+    summary = {"ok": r.ok, "shards_checked": r.shards_checked, "bad_shards": r.bad_shards,
+               "samples_checked": len({s["id"] for s in r.samples}), "layers": list(worst.values())}
+    if json_out:
+        print(json.dumps(summary))
+    else:
+        print(f"shards       {r.shards_checked} checked, {len(r.bad_shards)} bad {r.bad_shards or ''}")
+        print(f"samples      {summary['samples_checked']} recomputed with the HF reference (fp32)")
+        for w in worst.values():
+            print(f"layer {w['layer']:<6} min cosine {w['min_cosine']:.6f}   max |diff| {w['max_abs_diff']:.3g}")
+        print("result       " + ("OK" if r.ok else "MISMATCH"))
+    if not r.ok:
+        raise VxError("verification failed: " + ("bad shards " + ", ".join(r.bad_shards) if r.bad_shards else
+                                                 f"cosine below {min_cosine}"))
