@@ -75,10 +75,15 @@ def test_qwen3_5_hybrid_gdn_matches_hf_under_continuous_batching(qwen35_engine, 
     assert_matches(ds, samples, hf_reference(tiny_model, samples, list(range(8))))
 
 
-def test_the_engine_is_reusable_and_keeps_nothing_between_runs(qwen35_engine, tiny_model, tmp_path):
+def test_the_engine_is_reusable_and_rejects_what_it_cannot_hold(qwen35_engine, tiny_model, tmp_path):
     samples = mixed_samples(500, n=10, seed=3)
-    ds = extract(qwen35_engine, samples, tmp_path, 256)
-    assert_matches(ds, samples, hf_reference(tiny_model, samples, list(range(8))))
+    too_long = Sample("too-long", 99, [7] * qwen35_engine.max_model_len, [1] * qwen35_engine.max_model_len)
+    rejected, done = [], []
+    qwen35_engine.run(samples[:5] + [too_long] + samples[5:], tmp_path, {"model": "test"}, 10**7, 0, 256, "bf16",
+                      on_done=done.append, on_reject=lambda s, reason: rejected.append((s.id, s.line, reason)))
+    assert [r[:2] for r in rejected] == [("too-long", 99)] and "max_model_len" in rejected[0][2]
+    assert sorted(s.id for s in done) == sorted(s.id for s in samples)
+    assert_matches(vx.open_dataset(tmp_path), samples, hf_reference(tiny_model, samples, list(range(8))))
 
 
 def test_vision_language_checkpoint_runs_text_only_and_matches(tiny_vl_model, tiny_model, tmp_path):
