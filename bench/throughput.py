@@ -45,8 +45,6 @@ def run_hf_naive(model, samples, layer_ids):
 
 
 def run_hf_hooks(model, samples, layer_ids, hidden, out: Path, batch_size=128, max_batch_tokens=65536):
-    import torch
-
     from vx.hf_backend import HFExtractor, length_sorted_batches
     from vx.shards import ShardWriter
 

@@ -46,7 +46,7 @@ class ExtractConfig:
             raise UsageError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.dtype not in MODEL_DTYPES:
             raise UsageError(f"--dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")
-        from .shards import STORE_DTYPES
+        from .storage import STORE_DTYPES
 
         if self.store_dtype not in STORE_DTYPES:
             raise UsageError(f"--store-dtype must be one of {', '.join(STORE_DTYPES)}, got {self.store_dtype!r}")

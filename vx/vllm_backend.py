@@ -10,7 +10,6 @@ ones join as others finish, so the scheduler stays full and memory stays bounded
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -197,7 +196,3 @@ def run_vllm(cfg, model_dir, info, layer_ids, samples, shard_args, bar, t0, erro
     finally:
         ex.close()
     return load_s, ex.warmup_s, extract_s, counts["n"] - len(stats.get("rejected", [])), counts["tokens"], stats
-
-
-def shard_meta_json(meta: dict) -> dict:
-    return {k: json.dumps(v) if isinstance(v, list) else str(v) for k, v in meta.items()}

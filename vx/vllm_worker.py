@@ -103,10 +103,6 @@ class VxWorkerExtension:
         """Parameters of the loaded model whose name contains `substring` (tests: no vision tower)."""
         return sum(p.numel() for n, p in self.model_runner.get_model().named_parameters() if substring in n)
 
-    def vx_writer_bytes(self) -> int:
-        w = getattr(self, "_vx_writer", None)
-        return w.added_bytes if w is not None else 0
-
     # ---- hot path -------------------------------------------------------------------------
     def _vx_capture(self, aux: list[torch.Tensor]) -> None:
         t0 = time.perf_counter()
