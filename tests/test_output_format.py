@@ -10,7 +10,7 @@ from vx.output import prepare_output
 from vx.shards import MANIFEST, ShardWriter, read_manifest
 
 L, H = 3, 16
-META = {"model": "m", "layer_ids": [0, 1, 2], "store_dtype": "bf16", "hidden_size": H}
+META = {"model": "m", "model_fingerprint": "f", "layer_ids": [0, 1, 2], "store_dtype": "bf16", "hidden_size": H}
 
 
 def write(out, samples, shard_bytes=10_000, dtype="bf16"):

@@ -36,9 +36,27 @@ class ExtractConfig:
     gpu_memory_utilization: float | None = None  # None: 0.9 on GPU, 0.3 of host memory on CPU
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
+    # S3 sink
+    upload: str | None = None                # s3://bucket/prefix mirrored from the local output
+    endpoint_url: str | None = None          # S3-compatible endpoint
+    max_local_gb: float | None = None        # local shard bytes bound (backpressure)
+    keep_local: bool = False
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
+        if str(self.output).startswith("s3://"):  # stage locally, mirror to S3
+            if self.upload and self.upload != str(self.output):
+                raise UsageError("-o s3://... and --upload name two different targets")
+            from .s3 import parse_s3_url, staging_dir
+
+            self.upload = str(self.output)
+            self.output = staging_dir(parse_s3_url(self.upload))
+        if self.upload:
+            from .s3 import parse_s3_url
+
+            parse_s3_url(self.upload)
+        if self.max_local_gb is not None and self.max_local_gb <= 0:
+            raise UsageError(f"--max-local-gb must be > 0, got {self.max_local_gb}")
         self.data, self.output = Path(self.data), Path(self.output)
         if not self.data.is_file():
             raise UsageError(f"dataset {str(self.data)!r} is not a file")

@@ -33,6 +33,10 @@ class Summary:
     load_s: float
     warmup_s: float
     extract_s: float
+    upload: str | None = None
+    uploaded_bytes: int = 0
+    upload_mb_s: float = 0.0
+    peak_local_bytes: int = 0
 
     @property
     def samples_per_s(self) -> float:
@@ -63,6 +67,13 @@ def choose_backend(requested: str) -> str:
 def run_extract(cfg: ExtractConfig, progress: bool | None = None) -> Summary:
     t0 = time.perf_counter()
     backend = choose_backend(cfg.backend)
+    target = None
+    if cfg.upload:  # fail fast, before the model loads: endpoint, credentials, bucket, write access
+        from .s3 import fetch_remote_state, parse_s3_url, preflight
+
+        target = parse_s3_url(cfg.upload)
+        preflight(target, cfg.endpoint_url)
+        fetch_remote_state(target, cfg.endpoint_url, cfg.output)  # resume on a machine without local state
     model_dir = resolve_model(cfg.model)
     info = model_info(model_dir)
     layer_ids = check_layer_ids(cfg.layers, info.num_layers) if cfg.layers else default_layer_ids(info.num_layers)
@@ -79,13 +90,22 @@ def run_extract(cfg: ExtractConfig, progress: bool | None = None) -> Summary:
 
     meta = {
         "format": "vx-1", "vx_version": __version__, "model": str(model_dir), "model_type": info.model_type,
+        "model_fingerprint": info.fingerprint,
         "num_layers": info.num_layers, "layer_ids": layer_ids, "hidden_size": info.hidden_size,
         "store_dtype": cfg.store_dtype, "backend": backend,
     }
     state = prepare_output(cfg.output, meta, cfg.overwrite)
     shard_meta = {k: json.dumps(v) if isinstance(v, list) else str(v) for k, v in meta.items()}
-    shard_args = (shard_meta, int(cfg.shard_size_mb * 1e6), state.next_shard, info.hidden_size, cfg.store_dtype)
+    max_local = int(cfg.max_local_gb * 1e9) if cfg.max_local_gb else None
+    shard_args = (shard_meta, int(cfg.shard_size_mb * 1e6), state.next_shard, info.hidden_size, cfg.store_dtype,
+                  max_local)
     errors = ErrorLog(cfg.output)
+    uploader = None
+    if target is not None:
+        from .s3 import Uploader
+
+        uploader = Uploader(cfg.output, target, cfg.endpoint_url, keep_local=cfg.keep_local,
+                            max_local_bytes=max_local).start()
     bar = RunProgress(count_lines(cfg.data) - len(state.committed_ids), enabled=progress)
 
     def good_samples() -> Iterator[Sample]:
@@ -106,22 +126,33 @@ def run_extract(cfg: ExtractConfig, progress: bool | None = None) -> Summary:
                     raise VxError(f"sample {sample_id!r} rejected: {reason} (--strict)")
 
             writer = ShardWriter(cfg.output, shard_meta, shard_args[1], state.next_shard, len(layer_ids),
-                                 info.hidden_size, cfg.store_dtype, on_reject=reject)
+                                 info.hidden_size, cfg.store_dtype, on_reject=reject, max_local_bytes=max_local)
             *stats, = _run_hf(cfg, model_dir, layer_ids, tokenizer, good_samples(), writer, bar, t0, lines)
-            shards, nbytes = writer.committed_shards, writer.committed_bytes
+            shards, nbytes, peak_local = writer.committed_shards, writer.committed_bytes, writer.peak_local_bytes
         else:
             from .vllm_backend import run_vllm
 
             *stats, wstats = run_vllm(cfg, model_dir, info, layer_ids, good_samples(), shard_args, bar, t0, errors)
             shards, nbytes = wstats.get("shards", 0), wstats.get("bytes", 0)
+            peak_local = wstats.get("peak_local_bytes", 0)
             if cfg.strict and wstats.get("rejected"):
                 raise VxError(f"{len(wstats['rejected'])} samples rejected (--strict): {wstats['rejected'][:3]}")
-    finally:
+    except BaseException:
         errors.close()
         bar.close()
+        if uploader is not None:  # committed shards still go up; the original error wins
+            try:
+                uploader.finish()
+            except Exception:
+                pass
+        raise
+    errors.close()
+    bar.close()
+    up = uploader.finish() if uploader is not None else {}
     load_s, warmup_s, extract_s, n, tokens = stats
     return Summary(str(cfg.output), backend, n, tokens, errors.count, len(state.committed_ids),
-                   shards, nbytes, load_s, warmup_s, extract_s)
+                   shards, nbytes, load_s, warmup_s, extract_s, str(target) if target else None,
+                   up.get("uploaded_bytes", 0), up.get("upload_mb_s", 0.0), peak_local)
 
 
 def _run_hf(cfg, model_dir, layer_ids, tokenizer, samples, writer, bar, t0, lines):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ class ModelInfo:
     hidden_size: int
     model_type: str
     vision_language: bool  # checkpoint in the VL layout (text_config inside config.json)
+    fingerprint: str       # sha256 of config.json: the same model wherever its directory lives
 
 
 def resolve_model(model: str | None) -> Path:
@@ -35,11 +37,13 @@ def resolve_model(model: str | None) -> Path:
 
 
 def model_info(path: Path) -> ModelInfo:
-    cfg = json.loads((path / "config.json").read_text())
+    raw = (path / "config.json").read_bytes()
+    cfg = json.loads(raw)
     text = cfg.get("text_config") or cfg
     try:
         return ModelInfo(path, int(text["num_hidden_layers"]), int(text["hidden_size"]),
-                         text.get("model_type", cfg.get("model_type", "?")), "text_config" in cfg)
+                         text.get("model_type", cfg.get("model_type", "?")), "text_config" in cfg,
+                         hashlib.sha256(raw).hexdigest()[:16])
     except KeyError as e:
         raise UsageError(f"{path}/config.json lacks {e.args[0]!r}") from None
 

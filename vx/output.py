@@ -11,7 +11,7 @@ from .errors import UsageError
 from .shards import ERRORS, MANIFEST, RUN_META, read_manifest
 
 # Keys of vx.json that must match for a rerun to continue the same output.
-IDENTITY_KEYS = ("model", "layer_ids", "store_dtype", "hidden_size")
+IDENTITY_KEYS = ("model_fingerprint", "layer_ids", "store_dtype", "hidden_size")
 
 
 @dataclass

@@ -107,7 +107,8 @@ class ShardWriter:
     """
 
     def __init__(self, out_dir: Path, metadata: dict[str, str], shard_bytes: int, next_index: int,
-                 layer_count: int, hidden_size: int, store_dtype: str, on_reject=None):
+                 layer_count: int, hidden_size: int, store_dtype: str, on_reject=None,
+                 max_local_bytes: int | None = None):
         self.out_dir = Path(out_dir)
         self.metadata = metadata
         self.shard_bytes = shard_bytes
@@ -116,6 +117,8 @@ class ShardWriter:
         self.store_dtype = store_dtype
         self.on_reject = on_reject  # called (sample_id, reason) for a sample failing check_states
         self.rejected: list[tuple[str, str]] = []
+        self.max_local_bytes = max_local_bytes  # wait for the uploader to free disk before a shard
+        self.peak_local_bytes = 0
         self.open = PendingShard(next_index)
         self.committed_bytes = 0
         self.added_bytes = 0  # hidden states + ids + masks handed to add(), committed or not
@@ -194,6 +197,11 @@ class ShardWriter:
     def commit(self, s: PendingShard) -> None:
         name = shard_name(s.index)
         tmp = self.out_dir / f".{name}.tmp"
+        if self.max_local_bytes is not None:
+            from .s3 import wait_for_room
+
+            used = wait_for_room(self.out_dir, self.max_local_bytes, s.nbytes)
+            self.peak_local_bytes = max(self.peak_local_bytes, used + s.nbytes)
         lengths = [len(x) for x in s.input_ids]
         offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
         offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)

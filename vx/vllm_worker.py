@@ -76,7 +76,7 @@ class VxWorkerExtension:
         return {"num_layers": num_layers}
 
     def vx_begin(self, out_dir: str, shard_meta: dict, shard_bytes: int, next_shard: int, hidden_size: int,
-                 store_dtype: str) -> None:
+                 store_dtype: str, max_local_bytes: int | None = None) -> None:
         """Open a ShardWriter for one run (rank 0 only)."""
         from .shards import ShardWriter
 
@@ -84,7 +84,8 @@ class VxWorkerExtension:
         self._vx_stats = {"samples": 0, "tokens": 0, "capture_s": 0.0}
         if self._vx_rank0:
             self._vx_writer = ShardWriter(Path(out_dir), shard_meta, shard_bytes, next_shard,
-                                          len(self._vx_layer_ids), hidden_size, store_dtype)
+                                          len(self._vx_layer_ids), hidden_size, store_dtype,
+                                          max_local_bytes=max_local_bytes)
 
     def vx_finish(self) -> dict:
         """Commit the last shard; return stats. Requests still pending are an error."""
@@ -95,7 +96,8 @@ class VxWorkerExtension:
             writer.close()
         stats = dict(self._vx_stats)
         if writer is not None:
-            stats.update(shards=writer.committed_shards, bytes=writer.committed_bytes, rejected=writer.rejected)
+            stats.update(shards=writer.committed_shards, bytes=writer.committed_bytes, rejected=writer.rejected,
+                         peak_local_bytes=writer.peak_local_bytes)
         stats["incomplete"] = sorted(v["sample_id"] for v in self._vx_pending.values() if v["n"])
         return stats
 

@@ -15,7 +15,7 @@ from .options import Layers, ModelPath, OutputDir, Progress
 @app.command(no_args_is_help=True)
 def extract(
     data: Annotated[Path, typer.Argument(help="JSONL dataset: messages / conversations / text / input_ids lines.")],
-    output: OutputDir = Path("out"),
+    output: OutputDir = "out",
     model: ModelPath = None,
     backend: Annotated[str, typer.Option(help="auto (vllm when installed, else hf), vllm, or hf.")] = "auto",
     layers: Layers = None,
@@ -35,6 +35,10 @@ def extract(
     gpu_memory_utilization: Annotated[Optional[float], typer.Option(help="vllm: fraction of GPU memory (of host memory on CPU) for the engine. Default 0.9 on GPU, 0.3 on CPU.")] = None,
     tensor_parallel_size: Annotated[int, typer.Option(help="vllm: GPUs per engine.")] = 1,
     enforce_eager: Annotated[bool, typer.Option(help="vllm: no CUDA graphs / torch.compile.")] = False,
+    upload: Annotated[Optional[str], typer.Option(help="Mirror committed shards to s3://bucket/prefix (or give -o s3://...).")] = None,
+    endpoint_url: Annotated[Optional[str], typer.Option(help="S3-compatible endpoint URL (credentials: the standard AWS chain).")] = None,
+    max_local_gb: Annotated[Optional[float], typer.Option(help="Bound local shard bytes; extraction waits for uploads (backpressure).")] = None,
+    keep_local: Annotated[bool, typer.Option(help="Keep local shards after they are uploaded and verified.")] = False,
     progress: Progress = None,
     json_summary: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object.")] = False,
 ):
@@ -58,7 +62,8 @@ def extract(
         overlong=overlong, dtype=dtype, store_dtype=store_dtype, shard_size_mb=shard_size, strict=strict,
         overwrite=overwrite, device=device, max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs, gpu_memory_utilization=gpu_memory_utilization,
-        tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
+        tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager, upload=upload,
+        endpoint_url=endpoint_url, max_local_gb=max_local_gb, keep_local=keep_local,
     )
     s = run_extract(cfg, progress=progress)
     if json_summary:
@@ -72,3 +77,6 @@ def extract(
     print(f"written      {s.shards} shards, {s.bytes_written / 1e6:,.1f} MB")
     print(f"time         load {s.load_s:.1f}s, warm-up {s.warmup_s:.1f}s, extract {s.extract_s:.1f}s")
     print(f"speed        {s.samples_per_s:,.2f} samples/s, {s.tokens_per_s:,.0f} tokens/s")
+    if s.upload:
+        print(f"uploaded     {s.uploaded_bytes / 1e6:,.1f} MB to {s.upload} at {s.upload_mb_s:,.1f} MB/s; "
+              f"peak local shards {s.peak_local_bytes / 1e6:,.1f} MB")

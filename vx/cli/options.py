@@ -1,11 +1,10 @@
 """Option types shared by commands."""
 
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-OutputDir = Annotated[Path, typer.Option("--output", "-o", help="Output directory (created; rerun to resume).")]
+OutputDir = Annotated[str, typer.Option("--output", "-o", help="Output directory (created; rerun to resume), or s3://bucket/prefix (staged locally under the vx cache).")]
 ModelPath = Annotated[Optional[str], typer.Option(
     "--model", "-m", help="Local HF model directory. Default: the embedded tiny hybrid-GDN model.")]
 Layers = Annotated[Optional[str], typer.Option(

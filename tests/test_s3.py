@@ -1,0 +1,110 @@
+"""The S3 sink against a real S3 endpoint over HTTP (moto's server on loopback, started here)."""
+
+import json
+import socket
+
+import boto3
+import pytest
+
+import vx
+from conftest import write_jsonl
+from test_cli import vx_cmd
+
+CREDS = {"AWS_ACCESS_KEY_ID": "vx-test", "AWS_SECRET_ACCESS_KEY": "vx-test-secret", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    url = f"http://127.0.0.1:{port}"
+    client = boto3.client("s3", endpoint_url=url, region_name="us-east-1", aws_access_key_id="vx-test",
+                          aws_secret_access_key="vx-test-secret")
+    client.create_bucket(Bucket="vx-out")
+    yield url, client
+    server.stop()
+
+
+def download(client, bucket, prefix, dest):
+    dest.mkdir(parents=True, exist_ok=True)
+    names = []
+    for obj in client.list_objects_v2(Bucket=bucket, Prefix=prefix + "/").get("Contents", []):
+        name = obj["Key"][len(prefix) + 1:]
+        client.download_file(bucket, obj["Key"], str(dest / name))
+        names.append(name)
+    return sorted(names)
+
+
+def data_file(tmp_path, n=24):
+    rows = [{"id": f"s{i}", "text": f"sample number {i} " * (5 + 7 * (i % 9))} for i in range(n)]
+    rows.append({"id": "bad", "messages": []})
+    return write_jsonl(tmp_path / "d.jsonl", rows)
+
+
+def test_output_to_s3_holds_a_readable_dataset_and_local_disk_stays_bounded(s3_server, tmp_path, tiny_model):
+    url, client = s3_server
+    data = data_file(tmp_path)
+    r = vx_cmd("extract", str(data), "-o", "s3://vx-out/run1", "--endpoint-url", url, "--backend", "hf",
+               "--shard-size", "0.2", "--max-local-gb", "0.0005", "--batch-size", "4", "--json",
+               env=dict(CREDS, VX_CACHE_DIR=str(tmp_path / "cache")))
+    assert r.returncode == 0, r.stderr[-2000:]
+    s = json.loads(r.stdout)
+    assert s["samples"] == 24 and s["errors"] == 1 and s["shards"] > 3
+    assert s["uploaded_bytes"] == s["bytes_written"]
+    names = download(client, "vx-out", "run1", tmp_path / "copy")
+    largest_shard = max(json.loads(line)["bytes"] for line in open(tmp_path / "copy" / "manifest.jsonl"))
+    assert s["peak_local_bytes"] <= 0.0005e9 + largest_shard  # the bound plus one shard
+    assert {"manifest.jsonl", "errors.jsonl", "vx.json"} <= set(names)
+    ds = vx.open_dataset(tmp_path / "copy")  # a plain copy of the prefix opens as a dataset
+    assert sorted(ds.ids) == sorted(f"s{i}" for i in range(24))
+    assert ds["s3"]["hidden_states"].shape[0] == len(ds["s3"]["input_ids"])
+    staged = tmp_path / "cache" / "staging" / "vx-out" / "run1"
+    assert not list(staged.glob("shard-*.safetensors"))  # uploaded, verified, deleted locally
+    assert "vx-test-secret" not in r.stdout + r.stderr
+
+
+def test_rerun_on_a_fresh_machine_resumes_from_the_s3_manifest(s3_server, tmp_path, tiny_model):
+    url, client = s3_server
+    data = data_file(tmp_path)
+    args = ["extract", str(data), "-o", "s3://vx-out/run2", "--endpoint-url", url, "--backend", "hf", "--json"]
+    first = vx_cmd(*args, env=dict(CREDS, VX_CACHE_DIR=str(tmp_path / "machine-a")))
+    assert first.returncode == 0, first.stderr[-2000:]
+    again = vx_cmd(*args, env=dict(CREDS, VX_CACHE_DIR=str(tmp_path / "machine-b")))
+    assert again.returncode == 0, again.stderr[-2000:]
+    s = json.loads(again.stdout)
+    assert s["resumed_samples"] == 24 and s["samples"] == 0
+    download(client, "vx-out", "run2", tmp_path / "copy")
+    assert len(vx.open_dataset(tmp_path / "copy")) == 24
+
+
+@pytest.mark.parametrize("target, endpoint, message", [
+    ("s3://no-such-bucket/x", None, "does not exist"),
+    ("s3://vx-out/x", "http://127.0.0.1:9", "cannot reach"),
+])
+def test_a_bad_target_fails_before_any_compute(s3_server, tmp_path, tiny_model, target, endpoint, message):
+    url, _ = s3_server
+    out = tmp_path / "local"
+    r = vx_cmd("extract", str(data_file(tmp_path)), "-o", str(out), "--upload", target, "--endpoint-url",
+               endpoint or url, "--backend", "hf", env=CREDS)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+    assert not out.exists()  # nothing computed, nothing written
+    assert "vx-test-secret" not in r.stderr
+
+
+def test_vllm_backend_writes_in_its_worker_while_the_driver_uploads(s3_server, tmp_path, tiny_model):
+    url, client = s3_server
+    r = vx_cmd("extract", str(data_file(tmp_path)), "-o", "s3://vx-out/run3", "--endpoint-url", url, "--backend",
+               "vllm", "--shard-size", "0.5", "--max-local-gb", "0.001", "--json",
+               env=dict(CREDS, VX_CACHE_DIR=str(tmp_path / "cache"), VLLM_LOGGING_LEVEL="WARNING"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads(r.stdout)
+    assert s["samples"] == 24 and s["uploaded_bytes"] == s["bytes_written"] > 0
+    download(client, "vx-out", "run3", tmp_path / "copy")
+    largest_shard = max(json.loads(line)["bytes"] for line in open(tmp_path / "copy" / "manifest.jsonl"))
+    assert s["peak_local_bytes"] <= 0.001e9 + largest_shard
+    assert sorted(vx.open_dataset(tmp_path / "copy").ids) == sorted(f"s{i}" for i in range(24))

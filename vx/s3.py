@@ -1,0 +1,242 @@
+"""S3 sink: upload committed shards concurrently with compute, verify, then free local disk.
+
+The shard writer commits shards locally (manifest line = commit). The uploader, a thread in the
+driver process, tails the local manifest and for each committed shard: multipart upload through
+boto3's transfer manager (S3 checks each part's CRC), verify size and the manifest sha256 (kept
+as object metadata), record it in the S3 manifest (flushed every few seconds and at the end),
+and only after that flush delete the local file (unless --keep-local). The S3 prefix then holds
+the layout of a local output directory: shards, manifest.jsonl, errors.jsonl, vx.json.
+
+Backpressure: the writer will not start a shard while local shards would exceed --max-local-gb;
+it waits for the uploader to free space, so nothing is dropped. Retries with backoff for 5xx and
+throttling come from botocore's standard retry mode.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import UsageError, VxError
+from .shards import ERRORS, MANIFEST, RUN_META
+
+MANIFEST_FLUSH_S = 5.0
+UPLOAD_FAILED = ".vx-upload-failed"  # written by the uploader; a waiting writer stops on it
+
+
+@dataclass(frozen=True)
+class S3Target:
+    bucket: str
+    prefix: str
+
+    def key(self, name: str) -> str:
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def __str__(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}"
+
+
+def parse_s3_url(url: str) -> S3Target:
+    if not url.startswith("s3://") or not url[5:].split("/", 1)[0]:
+        raise UsageError(f"{url!r} is not an s3://bucket/prefix URL")
+    bucket, _, prefix = url[5:].partition("/")
+    return S3Target(bucket, prefix.strip("/"))
+
+
+def make_client(endpoint_url: str | None, attempts: int = 10, connect_timeout: float = 10):
+    import boto3
+    from botocore.config import Config
+
+    cfg = Config(retries={"max_attempts": attempts, "mode": "standard"}, connect_timeout=connect_timeout,
+                 read_timeout=120)
+    return boto3.client("s3", endpoint_url=endpoint_url, config=cfg)
+
+
+def preflight(target: S3Target, endpoint_url: str | None) -> None:
+    """Fail fast, before any compute: unreachable endpoint, bad credentials, missing bucket, no write."""
+    from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionError, NoCredentialsError
+
+    client = make_client(endpoint_url, attempts=2, connect_timeout=3)
+    where = f"{target}" + (f" at {endpoint_url}" if endpoint_url else "")
+    try:
+        client.head_bucket(Bucket=target.bucket)
+        probe = target.key(".vx-write-probe")
+        client.put_object(Bucket=target.bucket, Key=probe, Body=b"")
+        client.delete_object(Bucket=target.bucket, Key=probe)
+    except NoCredentialsError:
+        raise UsageError(f"no AWS credentials for {where}: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a "
+                         "profile, or an instance role") from None
+    except EndpointConnectionError:
+        raise UsageError(f"cannot reach the S3 endpoint for {where}") from None
+    except ClientError as e:
+        code = str(e.response.get("Error", {}).get("Code", ""))
+        if code in ("404", "NoSuchBucket"):
+            raise UsageError(f"bucket {target.bucket!r} does not exist ({where})") from None
+        if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+            raise UsageError(f"access denied to {where} ({code}): check the credentials and the bucket policy") from None
+        raise UsageError(f"S3 error on {where}: {code}") from None
+    except BotoCoreError as e:
+        raise UsageError(f"S3 error on {where}: {type(e).__name__}") from None
+
+
+def fetch_remote_state(target: S3Target, endpoint_url: str | None, out: Path) -> bool:
+    """Resume on a new machine: copy the S3 manifest, errors and vx.json into an empty local dir."""
+    from botocore.exceptions import ClientError
+
+    if (out / MANIFEST).exists():
+        return False
+    client = make_client(endpoint_url)
+    got = False
+    for name in (RUN_META, MANIFEST):
+        try:
+            body = client.get_object(Bucket=target.bucket, Key=target.key(name))["Body"].read()
+        except ClientError:
+            continue
+        out.mkdir(parents=True, exist_ok=True)
+        (out / name).write_bytes(body)
+        got = True
+    return got
+
+
+def local_shard_bytes(out: Path) -> int:
+    total = 0
+    for f in out.glob("shard-*.safetensors"):
+        try:
+            total += f.stat().st_size
+        except FileNotFoundError:
+            pass
+    for f in out.glob(".shard-*.tmp"):
+        try:
+            total += f.stat().st_size
+        except FileNotFoundError:
+            pass
+    return total
+
+
+def wait_for_room(out: Path, budget: int, nbytes: int, poll: float = 0.1) -> int:
+    """Block until local shards + nbytes fit the budget; returns the bytes in use when it went on."""
+    while True:
+        used = local_shard_bytes(out)
+        if used + nbytes <= budget or used == 0:
+            return used
+        if (out / UPLOAD_FAILED).exists():
+            raise VxError(f"upload failed: {(out / UPLOAD_FAILED).read_text().strip()}")
+        time.sleep(poll)
+
+
+class Uploader:
+    """Tails out/manifest.jsonl and mirrors committed shards to S3 (a thread in the driver)."""
+
+    def __init__(self, out: Path, target: S3Target, endpoint_url: str | None, keep_local: bool = False,
+                 max_local_bytes: int | None = None, part_mb: int = 64, concurrency: int = 8):
+        from boto3.s3.transfer import TransferConfig
+
+        self.out, self.target, self.keep_local = Path(out), target, keep_local
+        self.max_local_bytes = max_local_bytes
+        self.client = make_client(endpoint_url)
+        self.transfer = TransferConfig(multipart_threshold=part_mb << 20, multipart_chunksize=part_mb << 20,
+                                       max_concurrency=concurrency)
+        self.uploaded: list[dict] = self._remote_manifest()
+        self._done = {r["shard"] for r in self.uploaded}
+        self._to_delete: list[str] = []
+        self._offset = 0
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self.bytes = 0
+        self.seconds = 0.0
+        self._last_flush = time.monotonic()
+        (self.out / UPLOAD_FAILED).unlink(missing_ok=True)
+        self._thread = threading.Thread(target=self._run, name="vx-uploader", daemon=True)
+
+    def start(self) -> "Uploader":
+        self._thread.start()
+        return self
+
+    def _remote_manifest(self) -> list[dict]:
+        from botocore.exceptions import ClientError
+
+        try:
+            body = self.client.get_object(Bucket=self.target.bucket, Key=self.target.key(MANIFEST))["Body"].read()
+        except ClientError:
+            return []
+        return [json.loads(line) for line in body.decode().splitlines() if line.strip()]
+
+    def _new_records(self) -> list[dict]:
+        path = self.out / MANIFEST
+        if not path.exists():
+            return []
+        with open(path, "rb") as f:
+            f.seek(self._offset)
+            data = f.read()
+        complete = data[: data.rfind(b"\n") + 1]
+        self._offset += len(complete)
+        return [json.loads(line) for line in complete.decode().splitlines() if line.strip()]
+
+    def _run(self) -> None:
+        try:
+            while True:
+                stopping = self._stop.is_set()
+                for rec in self._new_records():
+                    if rec["shard"] not in self._done:
+                        self._upload(rec)
+                if stopping or time.monotonic() - self._last_flush > MANIFEST_FLUSH_S or self._disk_tight():
+                    self._flush()
+                if stopping:
+                    return
+                self._stop.wait(0.1)
+        except BaseException as e:  # surfaced by finish(); a waiting writer sees the marker file
+            self.error = e
+            (self.out / UPLOAD_FAILED).write_text(f"{type(e).__name__}: {e}\n")
+
+    def _disk_tight(self) -> bool:
+        """Uploaded shards wait for the next manifest flush before local delete; flush early when
+        the writer may be waiting for room."""
+        return bool(self._to_delete and self.max_local_bytes and
+                    local_shard_bytes(self.out) >= self.max_local_bytes // 2)
+
+    def _upload(self, rec: dict) -> None:
+        path = self.out / rec["shard"]
+        if not path.exists():
+            raise VxError(f"{rec['shard']} is committed but neither local nor in {self.target}")
+        key = self.target.key(rec["shard"])
+        t = time.perf_counter()
+        self.client.upload_file(str(path), self.target.bucket, key, Config=self.transfer,
+                                ExtraArgs={"Metadata": {"sha256": rec["sha256"]}})
+        head = self.client.head_object(Bucket=self.target.bucket, Key=key)
+        if head["ContentLength"] != rec["bytes"] or head.get("Metadata", {}).get("sha256") != rec["sha256"]:
+            raise VxError(f"{key}: uploaded object does not match the manifest (size or sha256)")
+        self.seconds += time.perf_counter() - t
+        self.bytes += rec["bytes"]
+        self.uploaded.append(rec)
+        self._done.add(rec["shard"])
+        self._to_delete.append(rec["shard"])
+
+    def _flush(self) -> None:
+        """Publish the S3 manifest (only verified shards), errors and vx.json; then free local disk."""
+        body = "".join(json.dumps(r) + "\n" for r in self.uploaded).encode()
+        self.client.put_object(Bucket=self.target.bucket, Key=self.target.key(MANIFEST), Body=body)
+        for name in (ERRORS, RUN_META):
+            if (self.out / name).exists():
+                self.client.upload_file(str(self.out / name), self.target.bucket, self.target.key(name))
+        if not self.keep_local:
+            for name in self._to_delete:
+                (self.out / name).unlink(missing_ok=True)
+        self._to_delete.clear()
+        self._last_flush = time.monotonic()
+
+    def finish(self) -> dict:
+        """Upload what is left, publish the final manifest; raise if anything failed."""
+        self._stop.set()
+        self._thread.join()
+        if self.error is not None:
+            raise VxError(f"upload to {self.target} failed: {self.error}") from self.error
+        return {"uploaded_bytes": self.bytes, "upload_mb_s": self.bytes / self.seconds / 1e6 if self.seconds else 0.0}
+
+
+def staging_dir(target: S3Target) -> Path:
+    from .tiny import cache_dir
+
+    return cache_dir() / "staging" / target.bucket / (target.prefix or "_root")
