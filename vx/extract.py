@@ -8,7 +8,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Iterator
 
-from . import __version__
+from . import __version__, faults
 from .config import ExtractConfig
 from .dataset import BadLine, Sample, count_lines, read_samples
 from .errors import UsageError
@@ -169,6 +169,7 @@ def _run_hf(cfg, model_dir, layer_ids, tokenizer, samples, writer, bar, t0, line
         lines.update((s.id, s.line) for s in batch)
         for s, h in zip(batch, extractor.extract(batch)):
             writer.add(s.id, s.input_ids, s.loss_mask, h)
+        faults.point("after-batch")
         n += len(batch)
         tokens += sum(len(s) for s in batch)
         bar.advance(len(batch), sum(len(s) for s in batch), writer.added_bytes)

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import faults
 from .errors import UsageError, VxError
 from .shards import ERRORS, MANIFEST, RUN_META
 
@@ -141,6 +142,9 @@ class Uploader:
                                        max_concurrency=concurrency)
         self.uploaded: list[dict] = self._remote_manifest()
         self._done = {r["shard"] for r in self.uploaded}
+        if not keep_local:  # a crash between the S3 manifest flush and the local delete left these
+            for name in self._done:
+                (self.out / name).unlink(missing_ok=True)
         self._to_delete: list[str] = []
         self._offset = 0
         self._stop = threading.Event()
@@ -203,8 +207,11 @@ class Uploader:
             raise VxError(f"{rec['shard']} is committed but neither local nor in {self.target}")
         key = self.target.key(rec["shard"])
         t = time.perf_counter()
+        faults.point("before-upload")
         self.client.upload_file(str(path), self.target.bucket, key, Config=self.transfer,
-                                ExtraArgs={"Metadata": {"sha256": rec["sha256"]}})
+                                ExtraArgs={"Metadata": {"sha256": rec["sha256"]}},
+                                Callback=lambda _: faults.point("mid-upload"))
+        faults.point("after-upload")
         head = self.client.head_object(Bucket=self.target.bucket, Key=key)
         if head["ContentLength"] != rec["bytes"] or head.get("Metadata", {}).get("sha256") != rec["sha256"]:
             raise VxError(f"{key}: uploaded object does not match the manifest (size or sha256)")
@@ -218,12 +225,14 @@ class Uploader:
         """Publish the S3 manifest (only verified shards), errors and vx.json; then free local disk."""
         body = "".join(json.dumps(r) + "\n" for r in self.uploaded).encode()
         self.client.put_object(Bucket=self.target.bucket, Key=self.target.key(MANIFEST), Body=body)
+        faults.point("after-s3-manifest")
         for name in (ERRORS, RUN_META):
             if (self.out / name).exists():
                 self.client.upload_file(str(self.out / name), self.target.bucket, self.target.key(name))
         if not self.keep_local:
             for name in self._to_delete:
                 (self.out / name).unlink(missing_ok=True)
+                faults.point("after-delete")
         self._to_delete.clear()
         self._last_flush = time.monotonic()
 

@@ -26,11 +26,14 @@ from pathlib import Path
 
 import torch
 
+from .errors import VxError
+
 MANIFEST = "manifest.jsonl"
 ERRORS = "errors.jsonl"
 RUN_META = "vx.json"
 SHARD_FORMAT = "vx-shard-1"
 
+from . import faults
 from .storage import SampleRejected, check_states, encode
 
 _ST_DTYPE = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int32: "I32",
@@ -68,7 +71,10 @@ def write_safetensors(path: Path, tensors: dict[str, list[torch.Tensor]], shapes
     # hashing (~1.2 GB/s, one core) overlaps the write: both release the GIL on large buffers
     with open(path, "wb") as f, ThreadPoolExecutor(1, thread_name_prefix="vx-sha256") as hasher:
         pending = None
-        for buf in _buffers(len(blob).to_bytes(8, "little") + blob, tensors):
+        for i, buf in enumerate(_buffers(len(blob).to_bytes(8, "little") + blob, tensors)):
+            if i == 2:
+                faults.point("mid-shard-write")
+                faults.point("enospc")
             f.write(buf)
             if pending is not None:
                 pending.result()
@@ -179,6 +185,8 @@ class ShardWriter:
                 self._raise_if_failed()
 
     def _raise_if_failed(self) -> None:
+        if isinstance(self._error, VxError):
+            raise self._error
         if self._error is not None:
             raise RuntimeError(f"shard writer failed: {self._error}") from self._error
 
@@ -191,6 +199,10 @@ class ShardWriter:
                 continue
             try:
                 self.commit(shard)
+            except OSError as e:  # ENOSPC and friends: stop cleanly; the temp file is removed on rerun
+                self._error = VxError(f"writing shard {shard_name(shard.index)} in {self.out_dir} failed: "
+                                      f"{e.strerror or e}. Free space (or fix the disk) and rerun the same "
+                                      "command to continue")
             except BaseException as e:  # surfaced to the caller on its next add()/close()
                 self._error = e
 
@@ -212,14 +224,17 @@ class ShardWriter:
         if s.scales:
             tensors["hidden_scales"], shapes["hidden_scales"] = s.scales, [s.tokens, self.layer_count]
         nbytes, sha = write_safetensors(tmp, tensors, shapes, meta)
+        faults.point("before-rename")
         os.rename(tmp, self.out_dir / name)
         fsync_dir(self.out_dir)
+        faults.point("before-manifest")
         record = {"shard": name, "sample_ids": s.ids, "num_samples": len(s.ids), "num_tokens": s.tokens,
                   "bytes": nbytes, "sha256": sha}
         with open(self.out_dir / MANIFEST, "a") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()
             os.fsync(f.fileno())
+        faults.point("after-manifest")
         self.committed_bytes += nbytes
         self.committed_shards += 1
 
