@@ -108,3 +108,76 @@ def test_vllm_backend_writes_in_its_worker_while_the_driver_uploads(s3_server, t
     largest_shard = max(json.loads(line)["bytes"] for line in open(tmp_path / "copy" / "manifest.jsonl"))
     assert s["peak_local_bytes"] <= 0.001e9 + largest_shard
     assert sorted(vx.open_dataset(tmp_path / "copy").ids) == sorted(f"s{i}" for i in range(24))
+
+
+def test_throttling_and_5xx_are_retried_with_backoff(s3_server, tmp_path, tiny_model):
+    from s3_faults import FaultyProxy
+
+    url, client = s3_server
+    with FaultyProxy(int(url.rsplit(":", 1)[1]), fail_every=4) as proxy:
+        r = vx_cmd("extract", str(data_file(tmp_path)), "-o", "s3://vx-out/throttled", "--endpoint-url", proxy.url,
+                   "--backend", "hf", "--shard-size", "0.2", "--json",
+                   env=dict(CREDS, VX_CACHE_DIR=str(tmp_path / "cache")))
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert proxy.injected >= 10  # one request in four answered 503 SlowDown
+    download(client, "vx-out", "throttled", tmp_path / "copy")
+    assert sorted(vx.open_dataset(tmp_path / "copy").ids) == sorted(f"s{i}" for i in range(24))
+
+
+def test_bad_credentials_fail_before_any_compute(s3_server, tmp_path, tiny_model):
+    from s3_faults import FaultyProxy
+
+    url, _ = s3_server
+    out = tmp_path / "local"
+    with FaultyProxy(int(url.rsplit(":", 1)[1]), bad_key="AKIABADKEY") as proxy:
+        r = vx_cmd("extract", str(data_file(tmp_path)), "-o", str(out), "--upload", "s3://vx-out/x",
+                   "--endpoint-url", proxy.url, "--backend", "hf",
+                   env=dict(CREDS, AWS_ACCESS_KEY_ID="AKIABADKEY", AWS_SECRET_ACCESS_KEY="do-not-print-me"))
+    assert r.returncode == 2 and "access denied" in r.stderr and "Traceback" not in r.stderr
+    assert "do-not-print-me" not in r.stderr + r.stdout and not out.exists()
+
+
+def test_the_run_survives_an_s3_outage(tmp_path, tiny_model):
+    import subprocess
+    import sys
+    import time
+
+    from moto.server import ThreadedMotoServer
+    from s3_faults import free_port
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    url = f"http://127.0.0.1:{port}"
+    client = boto3.client("s3", endpoint_url=url, region_name="us-east-1", aws_access_key_id="vx-test",
+                          aws_secret_access_key="vx-test-secret")
+    client.create_bucket(Bucket="vx-out")
+    import os
+
+    env = dict(os.environ, **CREDS, VX_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.Popen([sys.executable, "-m", "vx", "extract", str(data_file(tmp_path, n=60)), "-o",
+                             "s3://vx-out/outage", "--endpoint-url", url, "--backend", "hf", "--shard-size", "0.2",
+                             "--batch-size", "2", "--max-local-gb", "0.01", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not client.list_objects_v2(Bucket="vx-out", Prefix="outage/shard-").get("KeyCount"):
+            time.sleep(0.2)
+        assert proc.poll() is None, "run finished before the outage could start"
+        server.stop()  # the endpoint goes away mid-run ...
+        time.sleep(4)
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        server.start()  # ... and comes back (same store)
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-2000:]
+        s = json.loads(out)
+        assert s["uploaded_bytes"] == s["bytes_written"]
+        largest = max(json.loads(line)["bytes"] for line in
+                      client.get_object(Bucket="vx-out", Key="outage/manifest.jsonl")["Body"].read().decode().splitlines())
+        assert s["peak_local_bytes"] <= 0.01e9 + largest
+        download(client, "vx-out", "outage", tmp_path / "copy")
+        assert sorted(vx.open_dataset(tmp_path / "copy").ids) == sorted(f"s{i}" for i in range(60))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        server.stop()
