@@ -66,6 +66,15 @@ def test_output_to_s3_holds_a_readable_dataset_and_local_disk_stays_bounded(s3_s
     staged = tmp_path / "cache" / "staging" / "vx-out" / "run1"
     assert not list(staged.glob("shard-*.safetensors"))  # uploaded, verified, deleted locally
     assert "vx-test-secret" not in r.stdout + r.stderr
+    # vx verify reads the S3 prefix directly: checksums in place, a few samples recomputed
+    v = vx_cmd("verify", "s3://vx-out/run1", "--endpoint-url", url, "--samples", "3", "--json", env=CREDS)
+    assert v.returncode == 0, v.stderr[-2000:]
+    report = json.loads(v.stdout)
+    assert report["ok"] and report["shards_checked"] == s["shards"] and report["samples_checked"] == 3
+    client.put_object(Bucket="vx-out", Key="run1/" + sorted(n for n in names if n.startswith("shard-"))[0],
+                      Body=b"corrupted")  # an object replaced behind vx's back
+    bad = vx_cmd("verify", "s3://vx-out/run1", "--endpoint-url", url, "--samples", "0", env=CREDS)
+    assert bad.returncode == 1 and "1 bad" in bad.stdout
 
 
 def test_rerun_on_a_fresh_machine_resumes_from_the_s3_manifest(s3_server, tmp_path, tiny_model):
@@ -181,3 +190,20 @@ def test_the_run_survives_an_s3_outage(tmp_path, tiny_model):
         if proc.poll() is None:
             proc.kill()
         server.stop()
+
+
+def test_another_layer_set_against_the_same_prefix_is_refused_unless_overwrite(s3_server, tmp_path, tiny_model):
+    url, client = s3_server
+    data = data_file(tmp_path)
+
+    def run(layers, *extra, machine):
+        return vx_cmd("extract", str(data), "-o", "s3://vx-out/run4", "--endpoint-url", url, "--backend", "hf",
+                      "--layers", layers, *extra, env=dict(CREDS, VX_CACHE_DIR=str(tmp_path / machine)))
+
+    assert run("1,2", machine="a").returncode == 0
+    refused = run("1,3", machine="b")  # a fresh machine: the identity comes from S3
+    assert refused.returncode == 2 and "--overwrite" in refused.stderr
+    assert run("1,3", "--overwrite", machine="b").returncode == 0
+    download(client, "vx-out", "run4", tmp_path / "copy")
+    ds = vx.open_dataset(tmp_path / "copy")
+    assert ds.layer_ids == [1, 3] and sorted(ds.ids) == sorted(f"s{i}" for i in range(24))

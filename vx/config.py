@@ -41,6 +41,7 @@ class ExtractConfig:
     endpoint_url: str | None = None          # S3-compatible endpoint
     max_local_gb: float | None = None        # local shard bytes bound (backpressure)
     keep_local: bool = False
+    compress: str | None = None              # None or "zstd": whole-shard compression
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -55,6 +56,8 @@ class ExtractConfig:
             from .s3 import parse_s3_url
 
             parse_s3_url(self.upload)
+        if self.compress not in (None, "zstd"):
+            raise UsageError(f"--compress must be zstd (or omitted), got {self.compress!r}")
         if self.max_local_gb is not None and self.max_local_gb <= 0:
             raise UsageError(f"--max-local-gb must be > 0, got {self.max_local_gb}")
         self.data, self.output = Path(self.data), Path(self.output)

@@ -69,11 +69,10 @@ def run_extract(cfg: ExtractConfig, progress: bool | None = None) -> Summary:
     backend = choose_backend(cfg.backend)
     target = None
     if cfg.upload:  # fail fast, before the model loads: endpoint, credentials, bucket, write access
-        from .s3 import fetch_remote_state, parse_s3_url, preflight
+        from .s3 import clear_remote, fetch_remote_state, parse_s3_url, preflight
 
         target = parse_s3_url(cfg.upload)
         preflight(target, cfg.endpoint_url)
-        fetch_remote_state(target, cfg.endpoint_url, cfg.output)  # resume on a machine without local state
     model_dir = resolve_model(cfg.model)
     info = model_info(model_dir)
     layer_ids = check_layer_ids(cfg.layers, info.num_layers) if cfg.layers else default_layer_ids(info.num_layers)
@@ -92,13 +91,18 @@ def run_extract(cfg: ExtractConfig, progress: bool | None = None) -> Summary:
         "format": "vx-1", "vx_version": __version__, "model": str(model_dir), "model_type": info.model_type,
         "model_fingerprint": info.fingerprint,
         "num_layers": info.num_layers, "layer_ids": layer_ids, "hidden_size": info.hidden_size,
-        "store_dtype": cfg.store_dtype, "backend": backend,
+        "store_dtype": cfg.store_dtype, "compress": cfg.compress or "none", "backend": backend,
     }
+    if target is not None:
+        if cfg.overwrite:
+            clear_remote(target, cfg.endpoint_url)
+        else:
+            fetch_remote_state(target, cfg.endpoint_url, cfg.output)  # resume on a machine without local state
     state = prepare_output(cfg.output, meta, cfg.overwrite)
     shard_meta = {k: json.dumps(v) if isinstance(v, list) else str(v) for k, v in meta.items()}
     max_local = int(cfg.max_local_gb * 1e9) if cfg.max_local_gb else None
     shard_args = (shard_meta, int(cfg.shard_size_mb * 1e6), state.next_shard, info.hidden_size, cfg.store_dtype,
-                  max_local)
+                  max_local, cfg.compress)
     errors = ErrorLog(cfg.output)
     uploader = None
     if target is not None:
@@ -107,6 +111,8 @@ def run_extract(cfg: ExtractConfig, progress: bool | None = None) -> Summary:
         uploader = Uploader(cfg.output, target, cfg.endpoint_url, keep_local=cfg.keep_local,
                             max_local_bytes=max_local).start()
     bar = RunProgress(count_lines(cfg.data) - len(state.committed_ids), enabled=progress)
+    if uploader is not None:
+        bar.status = uploader.status_line
 
     def good_samples() -> Iterator[Sample]:
         for item in samples(frozenset(state.committed_ids)):
@@ -126,7 +132,8 @@ def run_extract(cfg: ExtractConfig, progress: bool | None = None) -> Summary:
                     raise VxError(f"sample {sample_id!r} rejected: {reason} (--strict)")
 
             writer = ShardWriter(cfg.output, shard_meta, shard_args[1], state.next_shard, len(layer_ids),
-                                 info.hidden_size, cfg.store_dtype, on_reject=reject, max_local_bytes=max_local)
+                                 info.hidden_size, cfg.store_dtype, on_reject=reject, max_local_bytes=max_local,
+                                 compress=cfg.compress)
             *stats, = _run_hf(cfg, model_dir, layer_ids, tokenizer, good_samples(), writer, bar, t0, lines)
             shards, nbytes, peak_local = writer.committed_shards, writer.committed_bytes, writer.peak_local_bytes
         else:

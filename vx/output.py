@@ -27,7 +27,7 @@ def prepare_output(out: Path, meta: dict, overwrite: bool) -> ResumeState:
     if overwrite and out.exists():
         for name in [MANIFEST, ERRORS, RUN_META]:
             (out / name).unlink(missing_ok=True)
-        for f in out.glob("shard-*.safetensors"):
+        for f in out.glob("shard-*.safetensors*"):
             f.unlink()
     out.mkdir(parents=True, exist_ok=True)
     meta_path = out / RUN_META
@@ -38,7 +38,7 @@ def prepare_output(out: Path, meta: dict, overwrite: bool) -> ResumeState:
             detail = "; ".join(f"{k}: {old.get(k)!r} there, {meta.get(k)!r} now" for k in diff)
             raise UsageError(f"{out} holds another extraction ({detail}). Use another -o, or --overwrite "
                              "to delete it")
-    elif any(out.glob("shard-*.safetensors")) or (out / MANIFEST).exists():
+    elif any(out.glob("shard-*.safetensors*")) or (out / MANIFEST).exists():
         raise UsageError(f"{out} holds shards but no {RUN_META}; refusing to mix runs (use --overwrite)")
     for tmp in out.glob(".shard-*.tmp"):
         tmp.unlink()
@@ -46,7 +46,7 @@ def prepare_output(out: Path, meta: dict, overwrite: bool) -> ResumeState:
     records = read_manifest(out)
     committed = {sid for r in records for sid in r["sample_ids"]}
     listed = {r["shard"] for r in records}
-    for f in out.glob("shard-*.safetensors"):  # renamed but never committed: redo its samples
+    for f in out.glob("shard-*.safetensors*"):  # renamed but never committed: redo its samples
         if f.name not in listed:
             f.unlink()
     next_shard = 1 + max((int(r["shard"][6:11]) for r in records), default=-1)

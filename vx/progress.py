@@ -17,6 +17,7 @@ class RunProgress:
         self.samples = self.tokens = 0
         self.start = time.perf_counter()
         self._bar = None
+        self.status = None  # optional callable -> str appended to the bar (the S3 uploader's figures)
         if enabled:
             self._bar = Progress(
                 TextColumn("[bold]extract"), BarColumn(), MofNCompleteColumn(),
@@ -33,6 +34,8 @@ class RunProgress:
             dt = max(time.perf_counter() - self.start, 1e-9)
             rate = (f"{self.samples / dt:,.1f} samples/s  {self.tokens / dt:,.0f} tok/s  "
                     f"{written_bytes / dt / 1e6:,.1f} MB/s")
+            if self.status is not None:
+                rate += "  " + self.status()
             self._bar.update(self._task, advance=samples, rate=rate)
 
     def skip(self, samples: int) -> None:

@@ -27,8 +27,14 @@ class ShardFile:
 
     def __init__(self, path: Path):
         self.path = path
-        with open(path, "rb") as f:
-            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        if path.name.endswith(".zst"):  # compressed shard: decompressed into memory (no mmap)
+            import zstandard
+
+            with open(path, "rb") as f:
+                self._mm = bytearray(zstandard.ZstdDecompressor().stream_reader(f).read())
+        else:
+            with open(path, "rb") as f:
+                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         n = int.from_bytes(self._mm[:8], "little")
         header = json.loads(bytes(self._mm[8: 8 + n]))
         self.metadata = header.pop("__metadata__", {})

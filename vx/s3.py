@@ -102,9 +102,24 @@ def fetch_remote_state(target: S3Target, endpoint_url: str | None, out: Path) ->
     return got
 
 
+def clear_remote(target: S3Target, endpoint_url: str | None) -> int:
+    """--overwrite: delete an earlier extraction under the prefix (its layout's files only)."""
+    client = make_client(endpoint_url)
+    names = []
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=target.bucket,
+                                                                  Prefix=target.key("")):
+        for obj in page.get("Contents", []):
+            name = obj["Key"][len(target.key("")):]
+            if name.startswith("shard-") or name in (MANIFEST, ERRORS, RUN_META):
+                names.append(obj["Key"])
+    for i in range(0, len(names), 1000):
+        client.delete_objects(Bucket=target.bucket, Delete={"Objects": [{"Key": k} for k in names[i:i + 1000]]})
+    return len(names)
+
+
 def local_shard_bytes(out: Path) -> int:
     total = 0
-    for f in out.glob("shard-*.safetensors"):
+    for f in out.glob("shard-*.safetensors*"):
         try:
             total += f.stat().st_size
         except FileNotFoundError:
@@ -151,6 +166,7 @@ class Uploader:
         self.error: BaseException | None = None
         self.bytes = 0
         self.seconds = 0.0
+        self.committed_bytes = 0  # seen in the local manifest this run
         self._last_flush = time.monotonic()
         (self.out / UPLOAD_FAILED).unlink(missing_ok=True)
         self._thread = threading.Thread(target=self._run, name="vx-uploader", daemon=True)
@@ -177,7 +193,9 @@ class Uploader:
             data = f.read()
         complete = data[: data.rfind(b"\n") + 1]
         self._offset += len(complete)
-        return [json.loads(line) for line in complete.decode().splitlines() if line.strip()]
+        records = [json.loads(line) for line in complete.decode().splitlines() if line.strip()]
+        self.committed_bytes += sum(r["bytes"] for r in records if r["shard"] not in self._done)
+        return records
 
     def _run(self) -> None:
         try:
@@ -235,6 +253,13 @@ class Uploader:
                 faults.point("after-delete")
         self._to_delete.clear()
         self._last_flush = time.monotonic()
+
+    def status_line(self) -> str:
+        """Committed, uploaded and pending bytes, upload MB/s and local disk in use, for the bar."""
+        mbs = self.bytes / self.seconds / 1e6 if self.seconds else 0.0
+        pending = max(0, self.committed_bytes - self.bytes)
+        return (f"S3 up {self.bytes / 1e6:,.0f}/{self.committed_bytes / 1e6:,.0f} MB ({mbs:,.0f} MB/s), "
+                f"pending {pending / 1e6:,.0f} MB, local {local_shard_bytes(self.out) / 1e6:,.0f} MB")
 
     def finish(self) -> dict:
         """Upload what is left, publish the final manifest; raise if anything failed."""

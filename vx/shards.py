@@ -40,8 +40,20 @@ _ST_DTYPE = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32",
              torch.uint8: "U8", torch.int64: "I64", torch.float8_e4m3fn: "F8_E4M3"}
 
 
-def shard_name(index: int) -> str:
-    return f"shard-{index:05d}.safetensors"
+def shard_name(index: int, compress: str | None = None) -> str:
+    return f"shard-{index:05d}.safetensors" + (".zst" if compress == "zstd" else "")
+
+
+class _HashingFile:
+    """A file wrapper that hashes and counts what is written (the stored, compressed bytes)."""
+
+    def __init__(self, f):
+        self.f, self.sha, self.n = f, hashlib.sha256(), 0
+
+    def write(self, b) -> int:
+        self.sha.update(b)
+        self.n += len(b)
+        return self.f.write(b)
 
 
 def fsync_dir(path: Path) -> None:
@@ -53,7 +65,7 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_safetensors(path: Path, tensors: dict[str, list[torch.Tensor]], shapes: dict[str, list[int]],
-                      metadata: dict[str, str]) -> tuple[int, str]:
+                      metadata: dict[str, str], compress: str | None = None) -> tuple[int, str]:
     """Write a safetensors file whose tensors are given as lists of contiguous CPU pieces.
 
     Streams the pieces (no concatenated copy), fsyncs, returns (bytes, sha256 hex).
@@ -67,6 +79,17 @@ def write_safetensors(path: Path, tensors: dict[str, list[torch.Tensor]], shapes
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
+    if compress == "zstd":  # the whole file as one zstd frame; sha256 of the stored bytes
+        import zstandard
+
+        with open(path, "wb") as f:
+            out = _HashingFile(f)
+            with zstandard.ZstdCompressor(level=1, threads=-1).stream_writer(out, closefd=False) as z:
+                for buf in _buffers(len(blob).to_bytes(8, "little") + blob, tensors):
+                    z.write(buf)
+            f.flush()
+            os.fsync(f.fileno())
+        return out.n, out.sha.hexdigest()
     digest = hashlib.sha256()
     # hashing (~1.2 GB/s, one core) overlaps the write: both release the GIL on large buffers
     with open(path, "wb") as f, ThreadPoolExecutor(1, thread_name_prefix="vx-sha256") as hasher:
@@ -114,7 +137,7 @@ class ShardWriter:
 
     def __init__(self, out_dir: Path, metadata: dict[str, str], shard_bytes: int, next_index: int,
                  layer_count: int, hidden_size: int, store_dtype: str, on_reject=None,
-                 max_local_bytes: int | None = None):
+                 max_local_bytes: int | None = None, compress: str | None = None):
         self.out_dir = Path(out_dir)
         self.metadata = metadata
         self.shard_bytes = shard_bytes
@@ -124,6 +147,7 @@ class ShardWriter:
         self.on_reject = on_reject  # called (sample_id, reason) for a sample failing check_states
         self.rejected: list[tuple[str, str]] = []
         self.max_local_bytes = max_local_bytes  # wait for the uploader to free disk before a shard
+        self.compress = compress
         self.peak_local_bytes = 0
         self.open = PendingShard(next_index)
         self.committed_bytes = 0
@@ -207,13 +231,13 @@ class ShardWriter:
                 self._error = e
 
     def commit(self, s: PendingShard) -> None:
-        name = shard_name(s.index)
+        name = shard_name(s.index, self.compress)
         tmp = self.out_dir / f".{name}.tmp"
-        if self.max_local_bytes is not None:
-            from .s3 import wait_for_room
+        from .s3 import local_shard_bytes, wait_for_room
 
-            used = wait_for_room(self.out_dir, self.max_local_bytes, s.nbytes)
-            self.peak_local_bytes = max(self.peak_local_bytes, used + s.nbytes)
+        used = (wait_for_room(self.out_dir, self.max_local_bytes, s.nbytes) if self.max_local_bytes is not None
+                else local_shard_bytes(self.out_dir))
+        self.peak_local_bytes = max(self.peak_local_bytes, used + s.nbytes)
         lengths = [len(x) for x in s.input_ids]
         offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
         offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
@@ -223,7 +247,7 @@ class ShardWriter:
                   "loss_mask": [s.tokens], "offsets": [len(lengths) + 1]}
         if s.scales:
             tensors["hidden_scales"], shapes["hidden_scales"] = s.scales, [s.tokens, self.layer_count]
-        nbytes, sha = write_safetensors(tmp, tensors, shapes, meta)
+        nbytes, sha = write_safetensors(tmp, tensors, shapes, meta, self.compress)
         faults.point("before-rename")
         os.rename(tmp, self.out_dir / name)
         fsync_dir(self.out_dir)

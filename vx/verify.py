@@ -38,16 +38,43 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def verify(out: Path, model: str | None = None, samples: int = 8, min_cosine: float = 0.999,
-           seed: int = 0) -> VerifyReport:
+def verify(out: str | Path, model: str | None = None, samples: int = 8, min_cosine: float = 0.999,
+           seed: int = 0, endpoint_url: str | None = None) -> VerifyReport:
+    if str(out).startswith("s3://"):
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="vx-verify-") as tmp:
+            return _verify(Path(tmp), model, samples, min_cosine, seed, remote=(str(out), endpoint_url))
+    return _verify(Path(out), model, samples, min_cosine, seed)
+
+
+def _verify(out: Path, model, samples, min_cosine, seed, remote=None) -> VerifyReport:
+    client = target = None
+    if remote is not None:  # S3: manifest and vx.json come down; shards are checked in place
+        from .s3 import make_client, parse_s3_url
+
+        target, client = parse_s3_url(remote[0]), make_client(remote[1])
+        for name in ("vx.json", "manifest.jsonl"):
+            try:
+                client.download_file(target.bucket, target.key(name), str(out / name))
+            except Exception:
+                raise UsageError(f"{remote[0]} has no {name}; is it a vx output?") from None
     ds = open_dataset(out)
     if not ds.meta:
         raise UsageError(f"{out} is not a vx output directory (no vx.json)")
     report = VerifyReport(min_cosine=min_cosine)
     for rec in ds.shards:
-        path = Path(out) / rec["shard"]
         report.shards_checked += 1
-        if not path.exists() or path.stat().st_size != rec["bytes"] or sha256_file(path) != rec["sha256"]:
+        if client is not None:
+            try:
+                head = client.head_object(Bucket=target.bucket, Key=target.key(rec["shard"]))
+                ok = head["ContentLength"] == rec["bytes"] and head.get("Metadata", {}).get("sha256") == rec["sha256"]
+            except Exception:
+                ok = False
+        else:
+            path = out / rec["shard"]
+            ok = path.exists() and path.stat().st_size == rec["bytes"] and sha256_file(path) == rec["sha256"]
+        if not ok:
             report.bad_shards.append(rec["shard"])
     if samples <= 0 or not len(ds):
         return report
@@ -59,6 +86,13 @@ def verify(out: Path, model: str | None = None, samples: int = 8, min_cosine: fl
     hf = load_hf_model(model_dir, "float32", "cpu")
     ex = HFExtractor(hf, ds.layer_ids)
     for i in sorted(random.Random(seed).sample(range(len(ds)), min(samples, len(ds)))):
+        if client is not None:  # fetch the sample's shard, then check its bytes against the manifest
+            rec = ds.shards[ds._loc[i][0]]
+            path = out / rec["shard"]
+            if not path.exists():
+                client.download_file(target.bucket, target.key(rec["shard"]), str(path))
+                if sha256_file(path) != rec["sha256"] and rec["shard"] not in report.bad_shards:
+                    report.bad_shards.append(rec["shard"])
         item = ds[i]
         ids = item["input_ids"].tolist()
         ref = ex.extract([Sample(item["id"], 0, ids, [])])[0].float()  # [T, L, H]

@@ -112,11 +112,12 @@ class VllmExtractor:
         return time.perf_counter() - t0
 
     def run(self, samples: Iterable[Sample], out_dir: Path, shard_meta: dict, shard_bytes: int, next_shard: int,
-            hidden_size: int, store_dtype: str, max_local_bytes: int | None = None, on_done=None, on_reject=None,
+            hidden_size: int, store_dtype: str, max_local_bytes: int | None = None, compress: str | None = None,
+            on_done=None, on_reject=None,
             max_in_flight: int | None = None) -> dict:
         """Extract every sample into shards under out_dir. Returns the worker's stats."""
         self.llm.collective_rpc("vx_begin", args=(str(out_dir), shard_meta, shard_bytes, next_shard, hidden_size,
-                                                  store_dtype, max_local_bytes))
+                                                  store_dtype, max_local_bytes, compress))
         cap = max_in_flight or 2 * self.max_num_seqs
         in_flight: dict[str, Sample] = {}
         lines: dict[str, int] = {}  # sample id -> dataset line, for rejections reported at the end

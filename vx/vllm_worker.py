@@ -76,7 +76,7 @@ class VxWorkerExtension:
         return {"num_layers": num_layers}
 
     def vx_begin(self, out_dir: str, shard_meta: dict, shard_bytes: int, next_shard: int, hidden_size: int,
-                 store_dtype: str, max_local_bytes: int | None = None) -> None:
+                 store_dtype: str, max_local_bytes: int | None = None, compress: str | None = None) -> None:
         """Open a ShardWriter for one run (rank 0 only)."""
         from .shards import ShardWriter
 
@@ -85,7 +85,7 @@ class VxWorkerExtension:
         if self._vx_rank0:
             self._vx_writer = ShardWriter(Path(out_dir), shard_meta, shard_bytes, next_shard,
                                           len(self._vx_layer_ids), hidden_size, store_dtype,
-                                          max_local_bytes=max_local_bytes)
+                                          max_local_bytes=max_local_bytes, compress=compress)
 
     def vx_finish(self) -> dict:
         """Commit the last shard; return stats. Requests still pending are an error."""

@@ -39,6 +39,7 @@ def extract(
     endpoint_url: Annotated[Optional[str], typer.Option(help="S3-compatible endpoint URL (credentials: the standard AWS chain).")] = None,
     max_local_gb: Annotated[Optional[float], typer.Option(help="Bound local shard bytes; extraction waits for uploads (backpressure).")] = None,
     keep_local: Annotated[bool, typer.Option(help="Keep local shards after they are uploaded and verified.")] = False,
+    compress: Annotated[Optional[str], typer.Option(help="zstd: compress each shard file (~20% smaller in bf16; the reader decompresses into memory, no mmap).")] = None,
     progress: Progress = None,
     json_summary: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object.")] = False,
 ):
@@ -63,7 +64,7 @@ def extract(
         overwrite=overwrite, device=device, max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs, gpu_memory_utilization=gpu_memory_utilization,
         tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager, upload=upload,
-        endpoint_url=endpoint_url, max_local_gb=max_local_gb, keep_local=keep_local,
+        endpoint_url=endpoint_url, max_local_gb=max_local_gb, keep_local=keep_local, compress=compress,
     )
     s = run_extract(cfg, progress=progress)
     if json_summary:

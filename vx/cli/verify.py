@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -13,10 +12,11 @@ from . import app
 
 @app.command(no_args_is_help=True)
 def verify(
-    output: Annotated[Path, typer.Argument(help="An extraction output directory.")],
+    output: Annotated[str, typer.Argument(help="An extraction output directory, or s3://bucket/prefix.")],
     model: Annotated[Optional[str], typer.Option(help="Model to recompute with. Default: the one in vx.json.")] = None,
     samples: Annotated[int, typer.Option(help="Random committed samples to recompute (0: checksums only).")] = 8,
     min_cosine: Annotated[float, typer.Option(help="Per sample and layer, cosine below this is a mismatch.")] = 0.999,
+    endpoint_url: Annotated[Optional[str], typer.Option(help="S3-compatible endpoint URL.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print as one JSON object.")] = False,
 ):
     """Check every shard against the manifest and recompute samples with HF; exit 1 on mismatch.
@@ -26,11 +26,13 @@ def verify(
       vx verify out/
 
       vx verify out/ --samples 32 --model /models/Qwen3.6-27B
+
+      vx verify s3://bucket/run1 --endpoint-url http://minio:9000
     """
     from ..errors import VxError
     from ..verify import verify as run_verify
 
-    r = run_verify(output, model, samples, min_cosine)
+    r = run_verify(output, model, samples, min_cosine, endpoint_url=endpoint_url)
     worst = {}
     for s in r.samples:
         w = worst.setdefault(s["layer"], {"layer": s["layer"], "min_cosine": 1.0, "max_abs_diff": 0.0})
