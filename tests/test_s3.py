@@ -1,7 +1,6 @@
 """The S3 sink against a real S3 endpoint over HTTP (moto's server on loopback, started here)."""
 
 import json
-import socket
 
 import boto3
 import pytest
@@ -13,19 +12,25 @@ from test_cli import vx_cmd
 CREDS = {"AWS_ACCESS_KEY_ID": "vx-test", "AWS_SECRET_ACCESS_KEY": "vx-test-secret", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
-@pytest.fixture(scope="module")
-def s3_server():
+def start_s3(port: int, create_bucket: bool = True):
+    """moto's S3 server on 127.0.0.1:port (its store outlives a stop/start in this process)."""
     from moto.server import ThreadedMotoServer
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     url = f"http://127.0.0.1:{port}"
     client = boto3.client("s3", endpoint_url=url, region_name="us-east-1", aws_access_key_id="vx-test",
                           aws_secret_access_key="vx-test-secret")
-    client.create_bucket(Bucket="vx-out")
+    if create_bucket:
+        client.create_bucket(Bucket="vx-out")
+    return server, url, client
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+    from s3_faults import free_port
+
+    server, url, client = start_s3(free_port())
     yield url, client
     server.stop()
 
@@ -151,16 +156,10 @@ def test_the_run_survives_an_s3_outage(tmp_path, tiny_model):
     import sys
     import time
 
-    from moto.server import ThreadedMotoServer
     from s3_faults import free_port
 
     port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    url = f"http://127.0.0.1:{port}"
-    client = boto3.client("s3", endpoint_url=url, region_name="us-east-1", aws_access_key_id="vx-test",
-                          aws_secret_access_key="vx-test-secret")
-    client.create_bucket(Bucket="vx-out")
+    server, url, client = start_s3(port)
     import os
 
     env = dict(os.environ, **CREDS, VX_CACHE_DIR=str(tmp_path / "cache"))
@@ -175,8 +174,7 @@ def test_the_run_survives_an_s3_outage(tmp_path, tiny_model):
         assert proc.poll() is None, "run finished before the outage could start"
         server.stop()  # the endpoint goes away mid-run ...
         time.sleep(4)
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-        server.start()  # ... and comes back (same store)
+        server, _, _ = start_s3(port, create_bucket=False)  # ... and comes back (same store)
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err[-2000:]
         s = json.loads(out)
