@@ -11,12 +11,11 @@ from typing import Iterator
 from . import __version__, faults
 from .config import ExtractConfig
 from .dataset import BadLine, Sample, count_lines, read_samples
-from .errors import UsageError
+from .errors import UsageError, VxError
 from .layers import check_layer_ids, default_layer_ids
 from .model import load_tokenizer, model_info, resolve_model
 from .output import ErrorLog, prepare_output
 from .progress import RunProgress
-from .errors import VxError
 from .shards import ShardWriter
 
 
@@ -145,16 +144,15 @@ def run_extract(cfg: ExtractConfig, progress: bool | None = None) -> Summary:
             if cfg.strict and wstats.get("rejected"):
                 raise VxError(f"{len(wstats['rejected'])} samples rejected (--strict): {wstats['rejected'][:3]}")
     except BaseException:
-        errors.close()
-        bar.close()
         if uploader is not None:  # committed shards still go up; the original error wins
             try:
                 uploader.finish()
             except Exception:
                 pass
         raise
-    errors.close()
-    bar.close()
+    finally:
+        errors.close()
+        bar.close()
     up = uploader.finish() if uploader is not None else {}
     load_s, warmup_s, extract_s, n, tokens = stats
     return Summary(str(cfg.output), backend, n, tokens, errors.count, len(state.committed_ids),

@@ -14,6 +14,7 @@ throttling come from botocore's standard retry mode.
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -119,15 +120,10 @@ def clear_remote(target: S3Target, endpoint_url: str | None) -> int:
 
 def local_shard_bytes(out: Path) -> int:
     total = 0
-    for f in out.glob("shard-*.safetensors*"):
+    for f in itertools.chain(out.glob("shard-*.safetensors*"), out.glob(".shard-*.tmp")):
         try:
             total += f.stat().st_size
-        except FileNotFoundError:
-            pass
-    for f in out.glob(".shard-*.tmp"):
-        try:
-            total += f.stat().st_size
-        except FileNotFoundError:
+        except FileNotFoundError:  # deleted by the uploader while we looked
             pass
     return total
 

@@ -26,15 +26,14 @@ from pathlib import Path
 
 import torch
 
+from . import faults
 from .errors import VxError
+from .storage import SampleRejected, check_states, encode
 
 MANIFEST = "manifest.jsonl"
 ERRORS = "errors.jsonl"
 RUN_META = "vx.json"
 SHARD_FORMAT = "vx-shard-1"
-
-from . import faults
-from .storage import SampleRejected, check_states, encode
 
 _ST_DTYPE = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int32: "I32",
              torch.uint8: "U8", torch.int64: "I64", torch.float8_e4m3fn: "F8_E4M3"}
