@@ -42,6 +42,16 @@ class ExtractConfig:
     max_local_gb: float | None = None        # local shard bytes bound (backpressure)
     keep_local: bool = False
     compress: str | None = None              # None or "zstd": whole-shard compression
+    # scale-out
+    data_parallel_size: int = 1              # engines on this node, one per GPU group (CPU: per core group)
+    gpus: list[int] | None = None            # GPU ids to use, in groups of tensor_parallel_size
+    num_partitions: int = 1                  # the dataset split, token-balanced, into this many parts
+    partition_index: int | None = None       # run exactly this partition (SLURM arrays and the like)
+    ray: bool = False                        # schedule partitions as Ray tasks on an existing cluster
+    ray_address: str | None = None           # default: auto (RAY_ADDRESS or a local cluster)
+    max_retries: int = 3                     # ray: reschedules of a failed partition
+    plan_file: str | None = None             # internal: the partition plan a launcher computed
+    staged: bool = False                     # internal: output is the local staging dir of -o s3://
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -52,6 +62,7 @@ class ExtractConfig:
 
             self.upload = str(self.output)
             self.output = staging_dir(parse_s3_url(self.upload))
+            self.staged = True
         if self.upload:
             from .s3 import parse_s3_url
 
@@ -84,6 +95,59 @@ class ExtractConfig:
             raise UsageError(f"--shard-size must be > 0 MB, got {self.shard_size_mb}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise UsageError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        self._check_scale_out()
+
+    def _check_scale_out(self) -> None:
+        for name in ("data_parallel_size", "num_partitions"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.max_retries < 0:
+            raise UsageError(f"--max-retries must be >= 0, got {self.max_retries}")
+        if self.gpus is not None:
+            if not self.gpus or len(set(self.gpus)) != len(self.gpus) or min(self.gpus) < 0:
+                raise UsageError(f"--gpus must list distinct GPU ids, got {self.gpus}")
+            if len(self.gpus) % self.tensor_parallel_size:
+                raise UsageError(f"--gpus lists {len(self.gpus)} GPUs, not a multiple of --tensor-parallel-size "
+                                 f"{self.tensor_parallel_size}")
+            n = len(self.gpus) // self.tensor_parallel_size
+            if self.data_parallel_size not in (1, n):
+                raise UsageError(f"--gpus gives {n} engines of {self.tensor_parallel_size} GPUs, but "
+                                 f"--data-parallel-size is {self.data_parallel_size}")
+            self.data_parallel_size = n
+        if self.partition_index is not None:
+            if not 0 <= self.partition_index < self.num_partitions:
+                raise UsageError(f"--partition-index must be in [0, {self.num_partitions}) for --num-partitions "
+                                 f"{self.num_partitions}, got {self.partition_index}")
+            if self.data_parallel_size > 1 or self.ray:
+                raise UsageError("--partition-index runs one partition in this process; it does not combine "
+                                 "with --data-parallel-size, --gpus or --ray")
+            if self.overwrite:
+                raise UsageError("--overwrite with --partition-index would delete the other partitions' work; "
+                                 "delete the output once before submitting the partitions, or use a new -o")
+        elif self.ray:
+            if self.data_parallel_size > 1:
+                raise UsageError("--ray schedules partitions on the cluster's GPUs: give --num-partitions, not "
+                                 "--data-parallel-size/--gpus")
+        elif self.data_parallel_size > 1:
+            if self.num_partitions == 1:
+                self.num_partitions = self.data_parallel_size
+            elif self.num_partitions < self.data_parallel_size:
+                raise UsageError(f"--num-partitions {self.num_partitions} < --data-parallel-size "
+                                 f"{self.data_parallel_size} would leave engines idle")
+        elif self.num_partitions > 1:
+            raise UsageError("--num-partitions needs --partition-index (one partition, e.g. a SLURM array "
+                             "task), --data-parallel-size N or --ray (all of them)")
+
+    @property
+    def partitioned(self) -> bool:
+        return self.partition_index is not None
+
+    def portable_json(self) -> dict:
+        """The config for a worker on any machine: -o s3://... is staged by each worker itself."""
+        d = self.to_json()
+        if self.staged:
+            d.update(output=self.upload, upload=None, staged=False)
+        return d
 
     def to_json(self) -> dict:
         d = asdict(self)

@@ -151,10 +151,14 @@ class Tokenize:
 
 
 def read_samples(path: Path, tokenizer, max_length: int | None = None, overlong: str = "truncate",
-                 skip_ids: frozenset[str] | set[str] = frozenset()) -> Iterator[Sample | BadLine]:
+                 skip_ids: frozenset[str] | set[str] = frozenset(),
+                 lines: set[int] | None = None) -> Iterator[Sample | BadLine]:
     """Stream `path` line by line, yielding a Sample or a BadLine for each non-blank line.
 
     Samples whose id is in `skip_ids` (already committed by an earlier run) are not yielded.
+    With `lines` (a partition's 1-based line numbers) only those lines are tokenized and yielded;
+    the others are still parsed for their ids, so a duplicate id is the same bad line whichever
+    partition owns it.
     """
     tokenize = Tokenize(tokenizer)
     seen: set[str] = set()
@@ -163,6 +167,7 @@ def read_samples(path: Path, tokenizer, max_length: int | None = None, overlong:
             if not raw.strip():
                 continue
             sid = None
+            mine = lines is None or lineno in lines
             try:
                 try:
                     text = raw.decode("utf-8")
@@ -181,7 +186,7 @@ def read_samples(path: Path, tokenizer, max_length: int | None = None, overlong:
                 if sid in seen:
                     raise _Bad(f"duplicate id {sid!r}")
                 seen.add(sid)
-                if sid in skip_ids:
+                if not mine or sid in skip_ids:
                     continue
                 ids, mask = tokenize(rec)
                 if not ids:
@@ -192,7 +197,8 @@ def read_samples(path: Path, tokenizer, max_length: int | None = None, overlong:
                     ids, mask = ids[:max_length], mask[:max_length]
                 yield Sample(sid, lineno, ids, mask)
             except _Bad as bad:
-                yield BadLine(lineno, sid, str(bad))
+                if mine:
+                    yield BadLine(lineno, sid, str(bad))
 
 
 def count_lines(path: Path) -> int:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Iterator
 
 from . import __version__, faults
@@ -14,9 +15,9 @@ from .dataset import BadLine, Sample, count_lines, read_samples
 from .errors import UsageError, VxError
 from .layers import check_layer_ids, default_layer_ids
 from .model import load_tokenizer, model_info, resolve_model
-from .output import ErrorLog, prepare_output
+from .output import ErrorLog, claim_root, clear_partitions, committed_ids_under, prepare_output
 from .progress import RunProgress
-from .shards import ShardWriter
+from .shards import RUN_META, ShardWriter
 
 
 @dataclass
@@ -36,6 +37,8 @@ class Summary:
     uploaded_bytes: int = 0
     upload_mb_s: float = 0.0
     peak_local_bytes: int = 0
+    partitions: list | None = None  # data parallel / Ray: one summary per partition
+    balance: dict | None = None     # tokens per partition and their spread
 
     @property
     def samples_per_s(self) -> float:
@@ -63,12 +66,23 @@ def choose_backend(requested: str) -> str:
     return requested
 
 
-def run_extract(cfg: ExtractConfig, progress: bool | None = None) -> Summary:
-    t0 = time.perf_counter()
+@dataclass
+class Job:
+    """What every worker of one extraction shares: the model, its layers, the output's identity."""
+    backend: str
+    model_dir: Path
+    info: object
+    layer_ids: list[int]
+    tokenizer: object
+    meta: dict
+    target: object | None  # S3Target of the root output, or None
+
+
+def prepare_job(cfg: ExtractConfig) -> Job:
     backend = choose_backend(cfg.backend)
     target = None
     if cfg.upload:  # fail fast, before the model loads: endpoint, credentials, bucket, write access
-        from .s3 import clear_remote, fetch_remote_state, parse_s3_url, preflight
+        from .s3 import parse_s3_url, preflight
 
         target = parse_s3_url(cfg.upload)
         preflight(target, cfg.endpoint_url)
@@ -76,28 +90,71 @@ def run_extract(cfg: ExtractConfig, progress: bool | None = None) -> Summary:
     info = model_info(model_dir)
     layer_ids = check_layer_ids(cfg.layers, info.num_layers) if cfg.layers else default_layer_ids(info.num_layers)
     tokenizer = load_tokenizer(model_dir)
-
-    def samples(skip=frozenset()) -> Iterator[Sample | BadLine]:
-        return read_samples(cfg.data, tokenizer, cfg.max_length, cfg.overlong, skip_ids=skip)
-
-    if cfg.strict:  # a full validation pass before any compute
-        for item in samples():
-            if isinstance(item, BadLine):
-                raise UsageError(f"{cfg.data}:{item.line}: {item.reason} (id {item.id!r}); --strict stops "
-                                 "before any compute")
-
     meta = {
         "format": "vx-1", "vx_version": __version__, "model": str(model_dir), "model_type": info.model_type,
         "model_fingerprint": info.fingerprint,
         "num_layers": info.num_layers, "layer_ids": layer_ids, "hidden_size": info.hidden_size,
         "store_dtype": cfg.store_dtype, "compress": cfg.compress or "none", "backend": backend,
     }
-    if target is not None:
+    return Job(backend, model_dir, info, layer_ids, tokenizer, meta, target)
+
+
+def check_dataset(cfg: ExtractConfig, job: Job) -> None:
+    """--strict: a full validation pass before any compute."""
+    for item in read_samples(cfg.data, job.tokenizer, cfg.max_length, cfg.overlong):
+        if isinstance(item, BadLine):
+            raise UsageError(f"{cfg.data}:{item.line}: {item.reason} (id {item.id!r}); --strict stops "
+                             "before any compute")
+
+
+def prepare_root(cfg: ExtractConfig, job: Job) -> None:
+    """Launchers, once before their workers start: --overwrite, identity, root vx.json (local and S3)."""
+    from .output import clear_partitions
+
+    if job.target is not None:
+        from .s3 import clear_remote, fetch_remote_state
+
+        if cfg.overwrite:
+            clear_remote(job.target, cfg.endpoint_url)
+        else:
+            fetch_remote_state(job.target, cfg.endpoint_url, cfg.output)
+    if cfg.overwrite:
+        clear_partitions(cfg.output)
+    prepare_output(cfg.output, job.meta, cfg.overwrite)
+    if job.target is not None:
+        from .s3 import put_file
+
+        put_file(job.target, cfg.endpoint_url, cfg.output / RUN_META, RUN_META)
+
+
+def run_extract(cfg: ExtractConfig, progress: bool | None = None, reporter=None) -> Summary:
+    """One process, one engine: the whole dataset, or one partition of it (cfg.partition_index)."""
+    t0 = time.perf_counter()
+    job = prepare_job(cfg)
+    if cfg.strict:
+        check_dataset(cfg, job)
+    lines, elsewhere = None, set()
+    if cfg.partitioned:
+        cfg, lines, elsewhere = _enter_partition(cfg, job)
+    target = None
+    if cfg.upload:
+        from .s3 import clear_remote, fetch_remote_state, parse_s3_url, remote_committed_ids
+
+        target = parse_s3_url(cfg.upload)
         if cfg.overwrite:
             clear_remote(target, cfg.endpoint_url)
+            clear_partitions(cfg.output)
         else:
             fetch_remote_state(target, cfg.endpoint_url, cfg.output)  # resume on a machine without local state
+            if not cfg.partitioned:
+                elsewhere |= remote_committed_ids(target, cfg.endpoint_url)
+    elif cfg.overwrite:
+        clear_partitions(cfg.output)
+    if not cfg.partitioned:  # partitions of an earlier data-parallel run count as done
+        elsewhere |= committed_ids_under(cfg.output, exclude=cfg.output)
+    meta, info, layer_ids = job.meta, job.info, job.layer_ids
     state = prepare_output(cfg.output, meta, cfg.overwrite)
+    skip = frozenset(state.committed_ids | elsewhere)
     shard_meta = {k: json.dumps(v) if isinstance(v, list) else str(v) for k, v in meta.items()}
     max_local = int(cfg.max_local_gb * 1e9) if cfg.max_local_gb else None
     shard_args = (shard_meta, int(cfg.shard_size_mb * 1e6), state.next_shard, info.hidden_size, cfg.store_dtype,
@@ -109,12 +166,13 @@ def run_extract(cfg: ExtractConfig, progress: bool | None = None) -> Summary:
 
         uploader = Uploader(cfg.output, target, cfg.endpoint_url, keep_local=cfg.keep_local,
                             max_local_bytes=max_local).start()
-    bar = RunProgress(count_lines(cfg.data) - len(state.committed_ids), enabled=progress)
+    total = (len(lines) if lines is not None else count_lines(cfg.data)) - len(state.committed_ids)
+    bar = reporter if reporter is not None else RunProgress(total, enabled=progress)
     if uploader is not None:
         bar.status = uploader.status_line
 
     def good_samples() -> Iterator[Sample]:
-        for item in samples(frozenset(state.committed_ids)):
+        for item in read_samples(cfg.data, job.tokenizer, cfg.max_length, cfg.overlong, skip_ids=skip, lines=lines):
             if isinstance(item, BadLine):
                 errors.write(item.to_json())
                 bar.skip(1)
@@ -122,23 +180,25 @@ def run_extract(cfg: ExtractConfig, progress: bool | None = None) -> Summary:
                 yield item
 
     try:
-        if backend == "hf":
-            lines: dict[str, int] = {}
+        if job.backend == "hf":
+            lines_of_ids: dict[str, int] = {}
 
             def reject(sample_id: str, reason: str) -> None:
-                errors.write({"line": lines.get(sample_id), "id": sample_id, "reason": reason})
+                errors.write({"line": lines_of_ids.get(sample_id), "id": sample_id, "reason": reason})
                 if cfg.strict:
                     raise VxError(f"sample {sample_id!r} rejected: {reason} (--strict)")
 
             writer = ShardWriter(cfg.output, shard_meta, shard_args[1], state.next_shard, len(layer_ids),
                                  info.hidden_size, cfg.store_dtype, on_reject=reject, max_local_bytes=max_local,
                                  compress=cfg.compress)
-            *stats, = _run_hf(cfg, model_dir, layer_ids, tokenizer, good_samples(), writer, bar, t0, lines)
+            *stats, = _run_hf(cfg, job.model_dir, layer_ids, job.tokenizer, good_samples(), writer, bar, t0,
+                              lines_of_ids)
             shards, nbytes, peak_local = writer.committed_shards, writer.committed_bytes, writer.peak_local_bytes
         else:
             from .vllm_backend import run_vllm
 
-            *stats, wstats = run_vllm(cfg, model_dir, info, layer_ids, good_samples(), shard_args, bar, t0, errors)
+            *stats, wstats = run_vllm(cfg, job.model_dir, info, layer_ids, good_samples(), shard_args, bar, t0,
+                                      errors)
             shards, nbytes = wstats.get("shards", 0), wstats.get("bytes", 0)
             peak_local = wstats.get("peak_local_bytes", 0)
             if cfg.strict and wstats.get("rejected"):
@@ -155,9 +215,33 @@ def run_extract(cfg: ExtractConfig, progress: bool | None = None) -> Summary:
         bar.close()
     up = uploader.finish() if uploader is not None else {}
     load_s, warmup_s, extract_s, n, tokens = stats
-    return Summary(str(cfg.output), backend, n, tokens, errors.count, len(state.committed_ids),
+    return Summary(str(cfg.output), job.backend, n, tokens, errors.count, len(state.committed_ids),
                    shards, nbytes, load_s, warmup_s, extract_s, str(target) if target else None,
                    up.get("uploaded_bytes", 0), up.get("upload_mb_s", 0.0), peak_local)
+
+
+def _enter_partition(cfg: ExtractConfig, job: Job):
+    """A partition worker: join the root output, find its lines, and what other partitions (of
+    this run, or of an earlier run with another partition count) already committed. Returns the
+    config narrowed to the partition's own directory and S3 prefix."""
+    from .partition import lines_of, load_or_make_plan, part_name
+
+    root, name = cfg.output, part_name(cfg.partition_index, cfg.num_partitions)
+    if job.target is not None:
+        from .s3 import fetch_remote_state, put_file, remote_committed_ids
+
+        fetch_remote_state(job.target, cfg.endpoint_url, root)
+    claim_root(root, job.meta)
+    plan = Path(cfg.plan_file) if cfg.plan_file else load_or_make_plan(
+        root, cfg.data, job.model_dir, job.info.fingerprint, cfg.num_partitions, cfg.max_length, cfg.overlong)
+    lines = lines_of(plan, cfg.partition_index)
+    elsewhere = committed_ids_under(root, exclude=root / name)
+    upload = None
+    if job.target is not None:
+        put_file(job.target, cfg.endpoint_url, root / RUN_META, RUN_META)
+        elsewhere |= remote_committed_ids(job.target, cfg.endpoint_url, exclude=name)
+        upload = f"{str(job.target).rstrip('/')}/{name}"
+    return replace(cfg, output=root / name, upload=upload, staged=False), lines, elsewhere
 
 
 def _run_hf(cfg, model_dir, layer_ids, tokenizer, samples, writer, bar, t0, lines):

@@ -1,7 +1,9 @@
 """Failpoints for crash and fault tests: `VX_FAULT=name:n` acts at the n-th pass of point `name`.
 
 Kill points end the process with SIGKILL (what a dead machine does); `enospc` raises
-OSError(ENOSPC). Unset in production: one dict lookup per point.
+OSError(ENOSPC). `VX_FAULT_PARTITION=i` limits the fault to the worker of partition i;
+`VX_FAULT_ONCE=FILE` fires it only if FILE does not exist yet (and creates it), so a retried
+worker runs clean. Unset in production: one string comparison per point.
 """
 
 from __future__ import annotations
@@ -20,9 +22,18 @@ def point(name: str) -> None:
     global _count
     if name != _NAME:
         return
+    only = os.environ.get("VX_FAULT_PARTITION")
+    if only is not None and os.environ.get("VX_PARTITION") != only:
+        return
     _count += 1
     if _count != _TARGET:
         return
+    once = os.environ.get("VX_FAULT_ONCE")
+    if once:
+        try:
+            os.close(os.open(once, os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return
     if name == "enospc":
         raise OSError(errno.ENOSPC, "No space left on device (injected)")
     os.kill(os.getpid(), signal.SIGKILL)

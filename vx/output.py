@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +14,63 @@ from .shards import ERRORS, MANIFEST, RUN_META, read_manifest
 
 # Keys of vx.json that must match for a rerun to continue the same output.
 IDENTITY_KEYS = ("model_fingerprint", "layer_ids", "store_dtype", "hidden_size")
+# A partition's own output directory under the root: part-00003-of-00008/
+PART_RE = re.compile(r"^part-\d{5}-of-\d{5}$")
+
+
+def part_dirs(root: Path) -> list[Path]:
+    """Partition outputs under root (any partition count, e.g. an 8-way run resumed 4-way), sorted."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and PART_RE.match(p.name))
+
+
+def output_dirs(root: Path) -> list[Path]:
+    """Every directory whose manifest is part of the dataset at root: root itself, then partitions."""
+    return [Path(root)] + part_dirs(root)
+
+
+def committed_ids_under(root: Path, exclude: Path | None = None) -> set[str]:
+    """Sample ids committed anywhere in the output at root (root and every partition)."""
+    ids: set[str] = set()
+    for d in output_dirs(root):
+        if exclude is not None and d.resolve() == Path(exclude).resolve():
+            continue
+        ids.update(sid for r in read_manifest(d) for sid in r["sample_ids"])
+    return ids
+
+
+def check_identity(out: Path, meta: dict) -> None:
+    meta_path = Path(out) / RUN_META
+    if not meta_path.exists():
+        return
+    old = json.loads(meta_path.read_text())
+    diff = [k for k in IDENTITY_KEYS if old.get(k) != meta.get(k)]
+    if diff:
+        detail = "; ".join(f"{k}: {old.get(k)!r} there, {meta.get(k)!r} now" for k in diff)
+        raise UsageError(f"{out} holds another extraction ({detail}). Use another -o, or --overwrite "
+                         "to delete it")
+
+
+def write_meta(out: Path, meta: dict) -> None:
+    tmp = Path(out) / f"{RUN_META}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(meta, indent=2) + "\n")
+    os.replace(tmp, Path(out) / RUN_META)
+
+
+def claim_root(root: Path, meta: dict) -> None:
+    """A partition worker joins the output at root: same model/layers/dtype, or refuse."""
+    Path(root).mkdir(parents=True, exist_ok=True)
+    check_identity(root, meta)
+    write_meta(root, meta)
+
+
+def clear_partitions(root: Path) -> None:
+    """--overwrite of a partitioned run: every partition directory and the cached plans go."""
+    for d in part_dirs(root):
+        shutil.rmtree(d)
+    shutil.rmtree(Path(root) / ".vx-plan", ignore_errors=True)
 
 
 @dataclass
@@ -32,12 +91,7 @@ def prepare_output(out: Path, meta: dict, overwrite: bool) -> ResumeState:
     out.mkdir(parents=True, exist_ok=True)
     meta_path = out / RUN_META
     if meta_path.exists():
-        old = json.loads(meta_path.read_text())
-        diff = [k for k in IDENTITY_KEYS if old.get(k) != meta.get(k)]
-        if diff:
-            detail = "; ".join(f"{k}: {old.get(k)!r} there, {meta.get(k)!r} now" for k in diff)
-            raise UsageError(f"{out} holds another extraction ({detail}). Use another -o, or --overwrite "
-                             "to delete it")
+        check_identity(out, meta)
     elif any(out.glob("shard-*.safetensors*")) or (out / MANIFEST).exists():
         raise UsageError(f"{out} holds shards but no {RUN_META}; refusing to mix runs (use --overwrite)")
     for tmp in out.glob(".shard-*.tmp"):
@@ -50,9 +104,7 @@ def prepare_output(out: Path, meta: dict, overwrite: bool) -> ResumeState:
         if f.name not in listed:
             f.unlink()
     next_shard = 1 + max((int(r["shard"][6:11]) for r in records), default=-1)
-    tmp = meta_path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(meta, indent=2) + "\n")
-    os.replace(tmp, meta_path)
+    write_meta(out, meta)
     return ResumeState(committed, next_shard, sum(r["num_tokens"] for r in records))
 
 

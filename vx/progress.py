@@ -49,3 +49,38 @@ class RunProgress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.stop()
+
+
+class EventProgress:
+    """RunProgress's interface for a partition worker: JSON progress lines on a stream (its
+    stdout, read by the launcher), at most every `every` seconds and once at the end."""
+
+    def __init__(self, stream, partition: int, total: int | None = None, every: float = 0.5):
+        self.stream, self.partition, self.total, self.every = stream, partition, total, every
+        self.samples = self.tokens = self.skipped = 0
+        self.status = None
+        self._last = 0.0
+
+    def emit(self, event: str = "progress", **extra) -> None:
+        import json
+
+        rec = {"vx": event, "partition": self.partition, "samples": self.samples, "tokens": self.tokens,
+               "skipped": self.skipped, **extra}
+        self.stream.write(json.dumps(rec) + "\n")
+        self.stream.flush()
+        self._last = time.monotonic()
+
+    def advance(self, samples: int, tokens: int, written_bytes: int) -> None:
+        self.samples += samples
+        self.tokens += tokens
+        if time.monotonic() - self._last >= self.every:
+            self.emit()
+
+    def skip(self, samples: int) -> None:
+        self.skipped += samples
+
+    def log(self, msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        self.emit()

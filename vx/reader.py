@@ -1,6 +1,8 @@
 """`vx.open_dataset(dir)`: read an extraction back, zero-copy, as a torch Dataset.
 
-Only shards recorded in manifest.jsonl are visible. Tensors are views into a private
+Only shards recorded in manifest.jsonl are visible. A partitioned run (data parallel, Ray,
+--partition-index) keeps one shard sequence and manifest per partition under part-*/; they are
+read as one dataset, each shard's path relative to the root. Tensors are views into a private
 (copy-on-write) mmap of the shard file: nothing is read until it is touched. fp8 shards are
 dequantized to bf16 on access (that one is a copy).
 """
@@ -15,6 +17,7 @@ import torch
 from torch.utils.data import Dataset
 
 from .errors import UsageError
+from .output import output_dirs
 from .shards import RUN_META, read_manifest
 from .storage import decode
 
@@ -60,7 +63,10 @@ class VxDataset(Dataset):
             raise UsageError(f"{self.path} is not a directory")
         meta_file = self.path / RUN_META
         self.meta = json.loads(meta_file.read_text()) if meta_file.exists() else {}
-        self.shards = read_manifest(self.path)
+        self.shards = []
+        for d in output_dirs(self.path):
+            rel = d.relative_to(self.path)
+            self.shards += [dict(r, shard=str(rel / r["shard"])) for r in read_manifest(d)]
         self.ids: list[str] = []
         self._loc: list[tuple[int, int]] = []
         for s_idx, rec in enumerate(self.shards):

@@ -103,16 +103,39 @@ def fetch_remote_state(target: S3Target, endpoint_url: str | None, out: Path) ->
     return got
 
 
+def _layout_names(client, target: S3Target):
+    """(key, name relative to the prefix) of every vx file under target: root and part-*/ files."""
+    from .output import PART_RE
+
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=target.bucket, Prefix=target.key("")):
+        for obj in page.get("Contents", []):
+            name = obj["Key"][len(target.key("")):]
+            head, _, base = name.rpartition("/")
+            if (not head or PART_RE.match(head)) and (base.startswith("shard-") or base in (MANIFEST, ERRORS, RUN_META)):
+                yield obj["Key"], name
+
+
+def remote_committed_ids(target: S3Target, endpoint_url: str | None, exclude: str = "") -> set[str]:
+    """Sample ids in every S3 manifest under target (root and partitions) but the one in `exclude`
+    (a partition's directory name, or "" for the root)."""
+    client = make_client(endpoint_url)
+    ids: set[str] = set()
+    for key, name in _layout_names(client, target):
+        head, _, base = name.rpartition("/")
+        if base == MANIFEST and head != exclude:
+            body = client.get_object(Bucket=target.bucket, Key=key)["Body"].read().decode()
+            ids.update(sid for line in body.splitlines() if line.strip() for sid in json.loads(line)["sample_ids"])
+    return ids
+
+
+def put_file(target: S3Target, endpoint_url: str | None, path: Path, name: str) -> None:
+    make_client(endpoint_url).upload_file(str(path), target.bucket, target.key(name))
+
+
 def clear_remote(target: S3Target, endpoint_url: str | None) -> int:
     """--overwrite: delete an earlier extraction under the prefix (its layout's files only)."""
     client = make_client(endpoint_url)
-    names = []
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=target.bucket,
-                                                                  Prefix=target.key("")):
-        for obj in page.get("Contents", []):
-            name = obj["Key"][len(target.key("")):]
-            if name.startswith("shard-") or name in (MANIFEST, ERRORS, RUN_META):
-                names.append(obj["Key"])
+    names = [key for key, _ in _layout_names(client, target)]
     for i in range(0, len(names), 1000):
         client.delete_objects(Bucket=target.bucket, Delete={"Objects": [{"Key": k} for k in names[i:i + 1000]]})
     return len(names)

@@ -28,8 +28,13 @@ from . import verify as _verify  # noqa: E402,F401
 
 def main(argv: list[str] | None = None) -> int:
     command = typer.main.get_command(app)
+    return run_guarded(lambda: command.main(args=argv, prog_name="vx", standalone_mode=False))
+
+
+def run_guarded(body) -> int:
+    """Run body() (the CLI, or a partition worker) and map what it raises to an exit code."""
     try:
-        rc = command.main(args=argv, prog_name="vx", standalone_mode=False)
+        rc = body()
         return rc if isinstance(rc, int) else 0
     except click.exceptions.Exit as e:
         return e.exit_code

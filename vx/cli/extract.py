@@ -40,6 +40,13 @@ def extract(
     max_local_gb: Annotated[Optional[float], typer.Option(help="Bound local shard bytes; extraction waits for uploads (backpressure).")] = None,
     keep_local: Annotated[bool, typer.Option(help="Keep local shards after they are uploaded and verified.")] = False,
     compress: Annotated[Optional[str], typer.Option(help="zstd: compress each shard file (~20% smaller in bf16; the reader decompresses into memory, no mmap).")] = None,
+    data_parallel_size: Annotated[int, typer.Option("--data-parallel-size", "--dp", help="Engines on this node, one per GPU group of --tensor-parallel-size (on CPU: each on its share of the cores), over token-balanced partitions.")] = 1,
+    gpus: Annotated[Optional[str], typer.Option(help="GPU ids for the engines, e.g. 0,1,2,3 (with --tensor-parallel-size 2: 2 engines of 2 GPUs).")] = None,
+    num_partitions: Annotated[int, typer.Option(help="Split the dataset into this many token-balanced partitions (the unit of work and of retry). Default: one per engine.")] = 1,
+    partition_index: Annotated[Optional[int], typer.Option(help="Run only this partition (0-based) of --num-partitions, resumable: for SLURM arrays and other batch schedulers.")] = None,
+    ray: Annotated[bool, typer.Option(help="Run the partitions as Ray tasks on an existing Ray cluster (use -o s3://... so every node writes to the same place).")] = False,
+    ray_address: Annotated[Optional[str], typer.Option(help="Ray cluster address. Default: auto (RAY_ADDRESS, or the cluster started on this node).")] = None,
+    max_retries: Annotated[int, typer.Option(help="ray: times a failed partition is rescheduled (it resumes from its manifest).")] = 3,
     progress: Progress = None,
     json_summary: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object.")] = False,
 ):
@@ -52,6 +59,12 @@ def extract(
       vx extract chats.jsonl -o out/ --model /models/Qwen3.6-27B --layers 1,16,31,46,61
 
       vx extract chats.jsonl -o out/ --backend hf --batch-size 64 --max-length 4096 --overlong skip
+
+      vx extract chats.jsonl -o s3://bucket/run1 --model /models/Qwen3.6-27B --gpus 0,1,2,3,4,5,6,7
+
+      vx extract chats.jsonl -o s3://bucket/run1 --model /models/big --ray --tensor-parallel-size 2 --num-partitions 64
+
+      vx extract chats.jsonl -o s3://bucket/run1 --num-partitions 16 --partition-index $SLURM_ARRAY_TASK_ID
     """
     from ..config import ExtractConfig
     from ..extract import run_extract
@@ -65,8 +78,19 @@ def extract(
         max_num_seqs=max_num_seqs, gpu_memory_utilization=gpu_memory_utilization,
         tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager, upload=upload,
         endpoint_url=endpoint_url, max_local_gb=max_local_gb, keep_local=keep_local, compress=compress,
+        data_parallel_size=data_parallel_size, gpus=parse_gpus(gpus), num_partitions=num_partitions,
+        partition_index=partition_index, ray=ray, ray_address=ray_address, max_retries=max_retries,
     )
-    s = run_extract(cfg, progress=progress)
+    if cfg.ray:
+        from ..ray_launch import run_ray
+
+        s = run_ray(cfg, progress=progress)
+    elif cfg.data_parallel_size > 1:
+        from ..launch import run_data_parallel
+
+        s = run_data_parallel(cfg, progress=progress)
+    else:
+        s = run_extract(cfg, progress=progress)
     if json_summary:
         print(json.dumps(s.to_json()))
         return
@@ -81,3 +105,22 @@ def extract(
     if s.upload:
         print(f"uploaded     {s.uploaded_bytes / 1e6:,.1f} MB to {s.upload} at {s.upload_mb_s:,.1f} MB/s; "
               f"peak local shards {s.peak_local_bytes / 1e6:,.1f} MB")
+    if s.partitions:
+        for p in s.partitions:
+            print(f"partition {p['partition']:<3} {p['samples']:,} samples, {p['tokens']:,} tokens, "
+                  f"extract {p['extract_s']:.1f}s, done at {p['finished_s']:.1f}s")
+        b = s.balance
+        spread = (max(b["tokens"]) - min(b["tokens"])) / (sum(b["tokens"]) / len(b["tokens"])) if sum(b["tokens"]) else 0
+        print(f"balance      token spread {spread:.1%} across {len(s.partitions)} partitions, finish times "
+              f"within {b['finish_spread_s']:.1f}s")
+
+
+def parse_gpus(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        from ..errors import UsageError
+
+        raise UsageError(f"--gpus must be comma-separated GPU ids, got {text!r}") from None

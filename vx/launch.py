@@ -1,0 +1,260 @@
+"""Data parallel on one node: N engines, one per GPU group, over P token-balanced partitions.
+
+`vx extract DATA -o OUT --data-parallel-size N` (or `--gpus 0,1,2,3`) runs here. The launcher
+prepares the output once (identity, --overwrite, S3 preflight) and computes the partition plan
+once; then it keeps N worker processes busy, each running one partition (`python -m vx.launch
+CONFIG`) on its GPU group (CUDA_VISIBLE_DEVICES; tensor parallel inside the group) or, on CPU,
+its own cores. A worker is a plain `run_extract` of one partition: its own shard sequence and
+manifest under OUT/part-i-of-P/, its own S3 prefix, its own resume. Workers report progress as
+JSON lines on stdout; their logs go to OUT/logs/. A dead worker is reported when the others are
+done; rerunning the same command redoes only what no manifest records.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from .config import ExtractConfig
+from .errors import UsageError, VxError
+from .progress import RunProgress
+
+LOG_DIR = "logs"
+
+
+def worker_slots(cfg: ExtractConfig) -> list[dict[str, str]]:
+    """The environment of each engine slot: its GPUs, or on a CPU machine its share of the cores."""
+    n, tp = cfg.data_parallel_size, cfg.tensor_parallel_size
+    ids = [str(g) for g in cfg.gpus] if cfg.gpus else None
+    if ids is None:
+        import torch
+
+        if torch.cuda.is_available():
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    if ids is not None:
+        if len(ids) < n * tp:
+            raise UsageError(f"{n} engines x {tp} GPUs need {n * tp} GPUs; {len(ids)} visible ({','.join(ids)})")
+        return [{"CUDA_VISIBLE_DEVICES": ",".join(ids[k * tp:(k + 1) * tp])} for k in range(n)]
+    cores = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cores) // n)  # more engines than cores: they share (slower, still correct)
+    slots = []
+    for k in range(n):
+        group = [cores[(k * per + j) % len(cores)] for j in range(per)]
+        ranks = [group[r * len(group) // tp:(r + 1) * len(group) // tp] or group for r in range(tp)]
+        slots.append({"VX_CPU_CORES": ",".join(map(str, group)), "OMP_NUM_THREADS": str(len(group)),
+                      "VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, r)) for r in ranks)})
+    return slots
+
+
+def partition_config(cfg: ExtractConfig, index: int, plan_file: str | None, engines: int,
+                     portable: bool = False) -> dict:
+    """The JSON config of one partition's worker."""
+    child = replace(cfg, data_parallel_size=1, gpus=None, ray=False, ray_address=None, overwrite=False,
+                    partition_index=index, plan_file=plan_file)
+    if child.gpu_memory_utilization is None:
+        import torch
+
+        if not torch.cuda.is_available():  # on CPU it is a share of host memory: split it
+            child.gpu_memory_utilization = round(0.3 / engines, 3)
+    return child.portable_json() if portable else child.to_json()
+
+
+def worker_command(config: dict) -> list[str]:
+    return [sys.executable, "-m", "vx.launch", json.dumps(config)]
+
+
+def read_events(stream, index: int, events: queue.Queue) -> None:
+    """A worker's stdout: JSON progress/summary lines (anything else is passed to stderr)."""
+    for line in stream:
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            rec = None
+        if isinstance(rec, dict) and "vx" in rec:
+            events.put((index, rec))
+        elif line.strip():
+            print(line.rstrip(), file=sys.stderr)
+
+
+class Tally:
+    """Progress of every partition (latest counts per worker attempt) folded into one bar."""
+
+    def __init__(self, bar: RunProgress):
+        self.bar, self.seen, self.shown = bar, {}, (0, 0, 0)
+
+    def update(self, key, rec: dict) -> None:
+        self.seen[key] = (rec["samples"], rec["tokens"], rec["skipped"])
+        s, t, k = (sum(v[i] for v in self.seen.values()) for i in range(3))
+        ds, dt, dk = s - self.shown[0], t - self.shown[1], k - self.shown[2]
+        if ds > 0:
+            self.bar.advance(ds, dt, 0)
+        if dk > 0:
+            self.bar.skip(dk)
+        self.shown = (max(s, self.shown[0]), max(t, self.shown[1]), max(k, self.shown[2]))
+
+
+def run_data_parallel(cfg: ExtractConfig, progress: bool | None = None):
+    """Run every partition on this node's engine slots; returns the combined Summary."""
+    from .extract import prepare_job, prepare_root
+
+    t0 = time.perf_counter()
+    slots = worker_slots(cfg)
+    job = prepare_job(cfg)
+    if cfg.strict:
+        from .extract import check_dataset
+
+        check_dataset(cfg, job)
+    prepare_root(cfg, job)
+    t_plan = time.perf_counter()
+    plan_file, balance = make_plan(cfg, job)
+    balance["plan_s"] = round(time.perf_counter() - t_plan, 2)
+    logs = Path(cfg.output) / LOG_DIR
+    logs.mkdir(parents=True, exist_ok=True)
+    bar = RunProgress(None, enabled=progress)
+    tally, events = Tally(bar), queue.Queue()
+    todo = list(range(cfg.num_partitions))
+    running: dict[int, tuple[subprocess.Popen, int, float, Path]] = {}  # slot -> (proc, partition, start, log)
+    results: dict[int, dict] = {}
+    failed: dict[int, str] = {}
+    t_start = time.perf_counter()
+    try:
+        while todo or running:
+            for slot in range(len(slots)):
+                if slot not in running and todo:
+                    running[slot] = _start(cfg, todo.pop(0), slots[slot], plan_file, len(slots), logs, events)
+            _drain(events, tally, results)
+            for slot, (proc, index, started, log) in list(running.items()):
+                if proc.poll() is None:
+                    continue
+                del running[slot]
+                _drain(events, tally, results)
+                _reap(proc)
+                if proc.returncode != 0 or index not in results:
+                    failed[index] = f"exit {proc.returncode}, log {log}: {_last_line(log)}"
+                else:
+                    results[index].update(finished_s=round(time.perf_counter() - t_start, 2),
+                                          wall_s=round(time.perf_counter() - started, 2))
+            time.sleep(0.1)
+    except BaseException:
+        for proc, *_ in running.values():
+            _reap(proc, kill=True)
+        raise
+    finally:
+        bar.close()
+    if failed:
+        lines = "; ".join(f"partition {i} ({v})" for i, v in sorted(failed.items()))
+        raise VxError(f"{len(failed)} of {cfg.num_partitions} partitions failed: {lines}. The others' work and "
+                      "every committed shard are kept; rerun the same command to finish the failed partitions")
+    return combine(cfg, job.backend, results, time.perf_counter() - t0, time.perf_counter() - t_start, balance)
+
+
+def make_plan(cfg: ExtractConfig, job) -> tuple[str, dict]:
+    import numpy as np
+
+    from .partition import load_or_make_plan
+
+    path = load_or_make_plan(cfg.output, cfg.data, job.model_dir, job.info.fingerprint, cfg.num_partitions,
+                             cfg.max_length, cfg.overlong)
+    plan = np.load(path)
+    return str(path), {"lines": [int((plan == p).sum()) for p in range(cfg.num_partitions)]}
+
+
+def _start(cfg, index, slot_env, plan_file, engines, logs, events):
+    from .partition import part_name
+
+    log = logs / f"{part_name(index, cfg.num_partitions)}.log"
+    env = dict(os.environ, **slot_env, VX_PARTITION=str(index))
+    with open(log, "a") as f:
+        f.write(f"--- partition {index} started {time.strftime('%Y-%m-%d %H:%M:%S')} with "
+                f"{json.dumps(slot_env)}\n")
+    err = open(log, "a")
+    proc = subprocess.Popen(worker_command(partition_config(cfg, index, plan_file, engines)), env=env,
+                            stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
+    err.close()
+    threading.Thread(target=read_events, args=(proc.stdout, index, events), daemon=True).start()
+    return proc, index, time.perf_counter(), log
+
+
+def _drain(events: queue.Queue, tally: Tally, results: dict) -> None:
+    while True:
+        try:
+            index, rec = events.get_nowait()
+        except queue.Empty:
+            return
+        if rec["vx"] == "summary":
+            results[index] = rec["summary"]
+        tally.update(index, rec)
+
+
+def _reap(proc: subprocess.Popen, kill: bool = False) -> None:
+    """A worker's process group (its vLLM engine processes too) must not outlive it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL if kill or proc.returncode else signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        pass
+    if kill:
+        proc.wait()
+
+
+def _last_line(log: Path) -> str:
+    try:
+        lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    errs = [ln for ln in lines if ln.startswith("vx: error:")]
+    return (errs or lines or [""])[-1][:300]
+
+
+def combine(cfg, backend: str, results: dict[int, dict], total_s: float, extract_s: float, balance: dict):
+    """One Summary for the run: sums, and per partition its samples, tokens and finish time."""
+    from .extract import Summary
+
+    parts = [dict(partition=i, **{k: r[k] for k in ("samples", "tokens", "errors", "resumed_samples", "shards",
+                                                     "bytes_written", "load_s", "warmup_s", "extract_s")},
+                  finished_s=r.get("finished_s"), wall_s=r.get("wall_s")) for i, r in sorted(results.items())]
+    finish = [p["finished_s"] for p in parts if p["finished_s"] is not None]
+    starts = [p["finished_s"] - p["extract_s"] for p in parts if p["finished_s"] is not None]
+    if finish:  # from the first engine's first sample to the last engine's end (loads excluded)
+        extract_s = max(finish) - min(starts)
+    balance = dict(balance, tokens=[p["tokens"] for p in parts],
+                   finish_spread_s=round(max(finish) - min(finish), 2) if finish else 0.0)
+    s = Summary(str(cfg.output), backend, *(sum(p[k] for p in parts) for k in
+                ("samples", "tokens", "errors", "resumed_samples", "shards", "bytes_written")),
+                max((p["load_s"] for p in parts), default=0.0), max((p["warmup_s"] for p in parts), default=0.0),
+                extract_s, cfg.upload, sum(r.get("uploaded_bytes", 0) for r in results.values()), 0.0,
+                max((r.get("peak_local_bytes", 0) for r in results.values()), default=0), parts, balance)
+    return s
+
+
+def worker_main(argv: list[str]) -> int:
+    """`python -m vx.launch CONFIG_JSON`: run one partition, progress and summary as JSON lines."""
+    from .cli import run_guarded
+    from .extract import run_extract
+    from .progress import EventProgress
+
+    d = json.loads(argv[0])
+    cores = os.environ.get("VX_CPU_CORES")
+    if cores:
+        os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
+
+    def body() -> int:
+        cfg = ExtractConfig(**d)
+        events = EventProgress(sys.stdout, cfg.partition_index)
+        summary = run_extract(cfg, reporter=events)
+        events.emit("summary", summary=summary.to_json())
+        return 0
+
+    return run_guarded(body)
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main(sys.argv[1:]))
