@@ -40,6 +40,7 @@ def download(client, bucket, prefix, dest):
     names = []
     for obj in client.list_objects_v2(Bucket=bucket, Prefix=prefix + "/").get("Contents", []):
         name = obj["Key"][len(prefix) + 1:]
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
         client.download_file(bucket, obj["Key"], str(dest / name))
         names.append(name)
     return sorted(names)

@@ -55,16 +55,14 @@ def worker_slots(cfg: ExtractConfig) -> list[dict[str, str]]:
     return slots
 
 
-def partition_config(cfg: ExtractConfig, index: int, plan_file: str | None, engines: int,
+def partition_config(cfg: ExtractConfig, index: int, plan_file: str | None, cpu_share: float | None = None,
                      portable: bool = False) -> dict:
-    """The JSON config of one partition's worker."""
+    """The JSON config of one partition's worker. cpu_share: on CPU, vLLM's memory fraction is of
+    host memory, which the engines of a node share."""
     child = replace(cfg, data_parallel_size=1, gpus=None, ray=False, ray_address=None, overwrite=False,
                     partition_index=index, plan_file=plan_file)
-    if child.gpu_memory_utilization is None:
-        import torch
-
-        if not torch.cuda.is_available():  # on CPU it is a share of host memory: split it
-            child.gpu_memory_utilization = round(0.3 / engines, 3)
+    if child.gpu_memory_utilization is None and cpu_share is not None:
+        child.gpu_memory_utilization = round(cpu_share, 3)
     return child.portable_json() if portable else child.to_json()
 
 
@@ -117,6 +115,7 @@ def run_data_parallel(cfg: ExtractConfig, progress: bool | None = None):
     t_plan = time.perf_counter()
     plan_file, balance = make_plan(cfg, job)
     balance["plan_s"] = round(time.perf_counter() - t_plan, 2)
+    cpu_share = None if "CUDA_VISIBLE_DEVICES" in slots[0] else 0.3 / len(slots)
     logs = Path(cfg.output) / LOG_DIR
     logs.mkdir(parents=True, exist_ok=True)
     bar = RunProgress(None, enabled=progress)
@@ -130,7 +129,7 @@ def run_data_parallel(cfg: ExtractConfig, progress: bool | None = None):
         while todo or running:
             for slot in range(len(slots)):
                 if slot not in running and todo:
-                    running[slot] = _start(cfg, todo.pop(0), slots[slot], plan_file, len(slots), logs, events)
+                    running[slot] = _start(cfg, todo.pop(0), slots[slot], plan_file, cpu_share, logs, events)
             _drain(events, tally, results)
             for slot, (proc, index, started, log) in list(running.items()):
                 if proc.poll() is None:
@@ -168,7 +167,7 @@ def make_plan(cfg: ExtractConfig, job) -> tuple[str, dict]:
     return str(path), {"lines": [int((plan == p).sum()) for p in range(cfg.num_partitions)]}
 
 
-def _start(cfg, index, slot_env, plan_file, engines, logs, events):
+def _start(cfg, index, slot_env, plan_file, cpu_share, logs, events):
     from .partition import part_name
 
     log = logs / f"{part_name(index, cfg.num_partitions)}.log"
@@ -177,7 +176,7 @@ def _start(cfg, index, slot_env, plan_file, engines, logs, events):
         f.write(f"--- partition {index} started {time.strftime('%Y-%m-%d %H:%M:%S')} with "
                 f"{json.dumps(slot_env)}\n")
     err = open(log, "a")
-    proc = subprocess.Popen(worker_command(partition_config(cfg, index, plan_file, engines)), env=env,
+    proc = subprocess.Popen(worker_command(partition_config(cfg, index, plan_file, cpu_share)), env=env,
                             stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
     err.close()
     threading.Thread(target=read_events, args=(proc.stdout, index, events), daemon=True).start()

@@ -103,7 +103,7 @@ def fetch_remote_state(target: S3Target, endpoint_url: str | None, out: Path) ->
     return got
 
 
-def _layout_names(client, target: S3Target):
+def layout_names(client, target: S3Target):
     """(key, name relative to the prefix) of every vx file under target: root and part-*/ files."""
     from .output import PART_RE
 
@@ -120,7 +120,7 @@ def remote_committed_ids(target: S3Target, endpoint_url: str | None, exclude: st
     (a partition's directory name, or "" for the root)."""
     client = make_client(endpoint_url)
     ids: set[str] = set()
-    for key, name in _layout_names(client, target):
+    for key, name in layout_names(client, target):
         head, _, base = name.rpartition("/")
         if base == MANIFEST and head != exclude:
             body = client.get_object(Bucket=target.bucket, Key=key)["Body"].read().decode()
@@ -135,7 +135,7 @@ def put_file(target: S3Target, endpoint_url: str | None, path: Path, name: str) 
 def clear_remote(target: S3Target, endpoint_url: str | None) -> int:
     """--overwrite: delete an earlier extraction under the prefix (its layout's files only)."""
     client = make_client(endpoint_url)
-    names = [key for key, _ in _layout_names(client, target)]
+    names = [key for key, _ in layout_names(client, target)]
     for i in range(0, len(names), 1000):
         client.delete_objects(Bucket=target.bucket, Delete={"Objects": [{"Key": k} for k in names[i:i + 1000]]})
     return len(names)

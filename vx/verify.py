@@ -22,12 +22,13 @@ from .reader import open_dataset
 class VerifyReport:
     shards_checked: int = 0
     bad_shards: list[str] = field(default_factory=list)
+    duplicate_ids: list[str] = field(default_factory=list)  # committed more than once
     samples: list[dict] = field(default_factory=list)  # {id, layer, cosine, max_abs_diff}
     min_cosine: float = 1.0
 
     @property
     def ok(self) -> bool:
-        return not self.bad_shards and all(r["ok"] for r in self.samples)
+        return not self.bad_shards and not self.duplicate_ids and all(r["ok"] for r in self.samples)
 
 
 def sha256_file(path: Path) -> str:
@@ -54,15 +55,21 @@ def _verify(out: Path, model, samples, min_cosine, seed, remote=None) -> VerifyR
         from .s3 import make_client, parse_s3_url
 
         target, client = parse_s3_url(remote[0]), make_client(remote[1])
-        for name in ("vx.json", "manifest.jsonl"):
-            try:
-                client.download_file(target.bucket, target.key(name), str(out / name))
-            except Exception:
-                raise UsageError(f"{remote[0]} has no {name}; is it a vx output?") from None
+        from .s3 import layout_names
+
+        names = [name for _, name in layout_names(client, target)
+                 if name.rpartition("/")[2] in ("vx.json", "manifest.jsonl")]
+        if "vx.json" not in names or not any(n.endswith("manifest.jsonl") for n in names):
+            raise UsageError(f"{remote[0]} has no vx.json and manifest.jsonl; is it a vx output?")
+        for name in names:  # the root's, and each partition's
+            (out / name).parent.mkdir(parents=True, exist_ok=True)
+            client.download_file(target.bucket, target.key(name), str(out / name))
     ds = open_dataset(out)
     if not ds.meta:
         raise UsageError(f"{out} is not a vx output directory (no vx.json)")
     report = VerifyReport(min_cosine=min_cosine)
+    seen: set[str] = set()
+    report.duplicate_ids = sorted({sid for sid in ds.ids if sid in seen or seen.add(sid)})
     for rec in ds.shards:
         report.shards_checked += 1
         if client is not None:
@@ -90,6 +97,7 @@ def _verify(out: Path, model, samples, min_cosine, seed, remote=None) -> VerifyR
             rec = ds.shards[ds._loc[i][0]]
             path = out / rec["shard"]
             if not path.exists():
+                path.parent.mkdir(parents=True, exist_ok=True)
                 client.download_file(target.bucket, target.key(rec["shard"]), str(path))
                 if sha256_file(path) != rec["sha256"] and rec["shard"] not in report.bad_shards:
                     report.bad_shards.append(rec["shard"])

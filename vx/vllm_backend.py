@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from . import faults
 from .dataset import Sample
 from .errors import UsageError, VxError
 from .vllm_worker import WARMUP_PREFIX
@@ -147,6 +148,7 @@ class VllmExtractor:
                     if exhausted:
                         break
                     continue
+                faults.point("after-step")
                 for out in self.engine.step():
                     if out.finished:
                         s = in_flight.pop(out.request_id, None)

@@ -108,7 +108,8 @@ def extract(
     if s.partitions:
         for p in s.partitions:
             print(f"partition {p['partition']:<3} {p['samples']:,} samples, {p['tokens']:,} tokens, "
-                  f"extract {p['extract_s']:.1f}s, done at {p['finished_s']:.1f}s")
+                  f"extract {p['extract_s']:.1f}s, done at {p['finished_s']:.1f}s"
+                  + (f", node {p['node']}, {p['attempts']} attempt(s)" if p.get("node") else ""))
         b = s.balance
         spread = (max(b["tokens"]) - min(b["tokens"])) / (sum(b["tokens"]) / len(b["tokens"])) if sum(b["tokens"]) else 0
         print(f"balance      token spread {spread:.1%} across {len(s.partitions)} partitions, finish times "

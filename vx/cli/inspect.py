@@ -26,6 +26,7 @@ def inspect(
       vx inspect out/ --sample 42
     """
     from ..errors import UsageError
+    from ..output import output_dirs, part_dirs
     from ..reader import open_dataset
     from ..shards import ERRORS
 
@@ -43,11 +44,15 @@ def inspect(
                 "hidden_states[0, :, :4]": h[0, :, :4].float().tolist()}
         print(json.dumps(info) if json_out else "\n".join(f"{k:24} {v}" for k, v in info.items()))
         return
-    errors_file = output / ERRORS
-    n_err = sum(1 for _ in open(errors_file)) if errors_file.exists() else 0
+    bad_lines = set()  # by line: an 8-way run resumed 4-way may have reported a line twice
+    for d in output_dirs(output):
+        if (d / ERRORS).exists():
+            bad_lines.update(json.loads(line).get("line") for line in open(d / ERRORS) if line.strip())
+    n_err = len(bad_lines)
     nbytes = sum(r["bytes"] for r in ds.shards)
     info = {"samples": len(ds), "tokens": ds.num_tokens, "shards": len(ds.shards), "bytes": nbytes,
             "bytes_per_token": round(nbytes / ds.num_tokens, 1) if ds.num_tokens else 0,
             "layer_ids": ds.layer_ids, "hidden_size": ds.meta.get("hidden_size"),
-            "store_dtype": ds.meta.get("store_dtype"), "model": ds.meta.get("model"), "errors": n_err}
+            "store_dtype": ds.meta.get("store_dtype"), "model": ds.meta.get("model"), "errors": n_err,
+            "partitions": len(part_dirs(output))}
     print(json.dumps(info) if json_out else "\n".join(f"{k:16} {v}" for k, v in info.items()))

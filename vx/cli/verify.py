@@ -39,15 +39,19 @@ def verify(
         w["min_cosine"] = min(w["min_cosine"], s["cosine"])
         w["max_abs_diff"] = max(w["max_abs_diff"], s["max_abs_diff"])
     summary = {"ok": r.ok, "shards_checked": r.shards_checked, "bad_shards": r.bad_shards,
+               "duplicate_ids": r.duplicate_ids[:20],
                "samples_checked": len({s["id"] for s in r.samples}), "layers": list(worst.values())}
     if json_out:
         print(json.dumps(summary))
     else:
         print(f"shards       {r.shards_checked} checked, {len(r.bad_shards)} bad {r.bad_shards or ''}")
+        if r.duplicate_ids:
+            print(f"duplicates   {len(r.duplicate_ids)} sample ids committed twice: {r.duplicate_ids[:5]}")
         print(f"samples      {summary['samples_checked']} recomputed with the HF reference (fp32)")
         for w in worst.values():
             print(f"layer {w['layer']:<6} min cosine {w['min_cosine']:.6f}   max |diff| {w['max_abs_diff']:.3g}")
         print("result       " + ("OK" if r.ok else "MISMATCH"))
     if not r.ok:
-        raise VxError("verification failed: " + ("bad shards " + ", ".join(r.bad_shards) if r.bad_shards else
-                                                 f"cosine below {min_cosine}"))
+        why = ("bad shards " + ", ".join(r.bad_shards) if r.bad_shards else
+               f"{len(r.duplicate_ids)} duplicated samples" if r.duplicate_ids else f"cosine below {min_cosine}")
+        raise VxError("verification failed: " + why)

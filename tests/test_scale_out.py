@@ -1,0 +1,133 @@
+"""Scale-out: data parallel engines, static partitions and Ray tasks write one output, exactly once.
+
+Every test compares against a single-process run of the same data: same ids, same token counts,
+states within the vLLM-vs-HF bound of test_vllm_backend (bf16 batching differs between runs)."""
+
+import json
+
+import pytest
+import torch
+
+import vx
+from conftest import ROOT
+from test_cli import vx_cmd
+from test_s3 import CREDS, data_file, download, s3_server  # noqa: F401  (fixture)
+
+CHAT = str(ROOT / "examples/chat.jsonl")
+COS_MIN, REL_MAX = 0.9998, 0.04
+
+
+def extract(*args, env=None):
+    r = vx_cmd("extract", *args, "--json", env=env)
+    return r, (json.loads(r.stdout) if r.returncode == 0 else None)
+
+
+@pytest.fixture(scope="module")
+def single_vllm(tmp_path_factory, tiny_model):
+    out = tmp_path_factory.mktemp("single") / "out"
+    r, _ = extract(CHAT, "-o", str(out), "--backend", "vllm")
+    assert r.returncode == 0, r.stderr[-2000:]
+    return vx.open_dataset(out)
+
+
+def assert_same_dataset(got, want, states=True):
+    assert len(got.ids) == len(set(got.ids)), "duplicated samples"
+    assert sorted(got.ids) == sorted(want.ids), "lost samples"
+    for sid in want.ids:
+        a, b = got[sid], want[sid]
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+        if states:
+            ga, gb = a["hidden_states"].float(), b["hidden_states"].float()
+            for j in range(ga.shape[1]):
+                cos = torch.nn.functional.cosine_similarity(ga[:, j].flatten(), gb[:, j].flatten(), dim=0)
+                assert cos >= COS_MIN, f"{sid} layer {j}: cosine {cos:.6f}"
+                assert (ga[:, j] - gb[:, j]).abs().max() <= REL_MAX * gb[:, j].abs().max()
+
+
+def test_two_data_parallel_engines_give_the_single_process_dataset(tmp_path, single_vllm):
+    out = tmp_path / "dp"
+    r, s = extract(CHAT, "-o", str(out), "--backend", "vllm", "--data-parallel-size", "2")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert [p["partition"] for p in s["partitions"]] == [0, 1] and all(p["samples"] for p in s["partitions"])
+    assert s["samples"] == 64 and s["tokens"] == 22544
+    assert sorted(d.name for d in out.glob("part-*")) == ["part-00000-of-00002", "part-00001-of-00002"]
+    assert_same_dataset(vx.open_dataset(out), single_vllm)
+    tokens = s["balance"]["tokens"]
+    assert max(tokens) - min(tokens) <= 0.05 * sum(tokens) / 2
+    inspect = json.loads(vx_cmd("inspect", str(out), "--json").stdout)
+    assert inspect["samples"] == 64 and inspect["tokens"] == 22544 and inspect["partitions"] == 2
+
+
+def test_a_killed_worker_is_reported_and_the_same_command_finishes_its_partition_only(tmp_path, single_vllm):
+    out = tmp_path / "dp"
+    args = (CHAT, "-o", str(out), "--backend", "vllm", "--dp", "2", "--max-num-seqs", "4", "--shard-size", "0.5")
+    r, _ = extract(*args, env={"VX_FAULT": "after-step:6", "VX_FAULT_PARTITION": "1"})
+    assert r.returncode == 1 and "1 of 2 partitions failed: partition 1 (exit -9" in r.stderr, r.stderr[-2000:]
+    assert "rerun the same command" in r.stderr and "Traceback" not in r.stderr
+    done_before = vx.open_dataset(out)
+    assert 0 < len(done_before) < 64
+    r, s = extract(*args)
+    assert r.returncode == 0, r.stderr[-2000:]
+    first, second = s["partitions"]
+    assert first["samples"] == 0, "partition 0 had finished; nothing of it is redone"
+    assert second["samples"] > 0 and second["resumed_samples"] + second["samples"] == 64 - first["resumed_samples"]
+    assert s["resumed_samples"] == len(done_before)
+    assert_same_dataset(vx.open_dataset(out), single_vllm)
+    verify = vx_cmd("verify", str(out), "--samples", "2", "--json")
+    assert verify.returncode == 0 and json.loads(verify.stdout)["ok"], verify.stdout
+
+
+def test_static_partitions_run_separately_and_resume_each_on_its_own(tmp_path, tiny_model):
+    out, single = tmp_path / "parts", tmp_path / "single"
+    base = (CHAT, "-o", str(out), "--backend", "hf", "--num-partitions", "3")
+    for i in (2, 0, 1):  # any order, any machine
+        r, s = extract(*base, "--partition-index", str(i))
+        assert r.returncode == 0 and s["samples"] > 0, r.stderr[-2000:]
+    r, s = extract(*base, "--partition-index", "1")
+    assert r.returncode == 0 and s["samples"] == 0 and s["resumed_samples"] > 0
+    r, _ = extract(CHAT, "-o", str(single), "--backend", "hf")
+    assert r.returncode == 0
+    assert_same_dataset(vx.open_dataset(out), vx.open_dataset(single), states=False)
+
+
+def test_a_run_with_another_partition_count_skips_what_any_partition_committed(tmp_path, tiny_model):
+    out = tmp_path / "out"
+    r, first = extract(CHAT, "-o", str(out), "--backend", "hf", "--num-partitions", "4", "--partition-index", "2")
+    assert r.returncode == 0
+    r, rest = extract(CHAT, "-o", str(out), "--backend", "hf", "--dp", "2")  # the 8-GPU node died; 4 GPUs now
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert rest["samples"] == 64 - first["samples"]
+    r, again = extract(CHAT, "-o", str(out), "--backend", "hf")  # and a single process finds nothing left
+    assert r.returncode == 0 and again["samples"] == 0 and again["resumed_samples"] == 0
+    ds = vx.open_dataset(out)
+    assert len(ds) == 64 and len(set(ds.ids)) == 64
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--num-partitions", "2"), "--num-partitions needs --partition-index"),
+    (("--num-partitions", "2", "--partition-index", "2"), "--partition-index must be in [0, 2)"),
+    (("--num-partitions", "2", "--partition-index", "0", "--overwrite"), "would delete the other partitions"),
+    (("--dp", "4", "--num-partitions", "2"), "would leave engines idle"),
+    (("--gpus", "0,1,2", "--tensor-parallel-size", "2"), "not a multiple of --tensor-parallel-size"),
+    (("--ray", "--dp", "2"), "give --num-partitions"),
+])
+def test_contradictory_scale_out_flags_are_refused_before_any_work(tmp_path, args, message):
+    r = vx_cmd("extract", CHAT, "-o", str(tmp_path / "o"), *args)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_data_parallel_to_s3_gives_one_verified_dataset(s3_server, tmp_path, tiny_model):  # noqa: F811
+    url, client = s3_server
+    env = dict(CREDS, VX_CACHE_DIR=str(tmp_path / "cache"))
+    data = data_file(tmp_path)
+    r, s = extract(str(data), "-o", "s3://vx-out/dp", "--endpoint-url", url, "--backend", "hf", "--dp", "2",
+                   "--shard-size", "0.2", env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert s["samples"] == 24 and s["errors"] == 1 and s["uploaded_bytes"] > 0
+    names = download(client, "vx-out", "dp", tmp_path / "copy")
+    assert "vx.json" in names and "part-00001-of-00002/manifest.jsonl" in names
+    ds = vx.open_dataset(tmp_path / "copy")
+    assert sorted(ds.ids) == sorted(f"s{i}" for i in range(24))
+    verify = vx_cmd("verify", "s3://vx-out/dp", "--endpoint-url", url, "--samples", "2", "--json", env=env)
+    assert verify.returncode == 0 and json.loads(verify.stdout)["ok"], verify.stdout + verify.stderr[-1500:]

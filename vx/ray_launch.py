@@ -1,0 +1,170 @@
+"""Multi-node on Ray: the partition workers as Ray tasks on an existing cluster.
+
+vx brings no coordinator of its own. The driver (`vx extract ... --ray`) prepares the output
+once, computes the partition plan once (shipped to the tasks through Ray's object store) and
+submits one task per partition, each asking for one engine's GPUs (`--tensor-parallel-size`).
+A task runs the same partition worker as a local data-parallel run (`python -m vx.launch
+CONFIG`) as a subprocess on its node, so vLLM runs in a plain process with the GPUs Ray gave
+the task (CUDA_VISIBLE_DEVICES), and raises if that worker fails. Ray reschedules a failed
+task, also when its node is lost (`--max-retries`); the new attempt resumes from the
+partition's manifest: with -o s3://... the S3 one, so any node can pick it up.
+
+Every node needs vx installed and the dataset at the same path (a shared filesystem).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import replace
+from pathlib import Path
+
+from .config import ExtractConfig
+from .errors import UsageError, VxError
+from .launch import Tally, combine, make_plan, partition_config, worker_command
+from .progress import RunProgress
+
+FORWARD_ENV = ("VX_", "AWS_", "HF_")  # the driver's settings that workers on other nodes need
+
+
+class ProgressSink:
+    """A Ray actor the partition tasks report progress to; the driver polls it."""
+
+    def __init__(self):
+        self.seen: dict[str, tuple[int, dict]] = {}
+
+    def report(self, key: str, index: int, rec: dict) -> None:
+        self.seen[key] = (index, rec)
+
+    def snapshot(self) -> dict[str, tuple[int, dict]]:
+        return self.seen
+
+
+def partition_task(config: dict, plan: bytes, env: dict, sink) -> dict:
+    """One attempt at one partition, on whatever node Ray chose."""
+    import json
+
+    import ray
+
+    index, attempt = config["partition_index"], uuid.uuid4().hex[:8]
+    with tempfile.TemporaryDirectory(prefix="vx-ray-") as tmp:
+        plan_file = Path(tmp) / "plan.npy"
+        plan_file.write_bytes(plan)
+        log = Path(tmp) / "worker.log"
+        with open(log, "w") as err:
+            proc = subprocess.Popen(worker_command(dict(config, plan_file=str(plan_file))),
+                                    env=dict(os.environ, **env, VX_PARTITION=str(index)), stdout=subprocess.PIPE,
+                                    stderr=err, text=True, start_new_session=True)
+        summary = None
+        for line in proc.stdout:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(rec, dict) and "vx" in rec:
+                sink.report.remote(f"{index}-{attempt}", index, rec)
+                if rec["vx"] == "summary":
+                    summary = rec["summary"]
+        proc.wait()
+        try:  # the worker's vLLM engine processes must not outlive it
+            os.killpg(proc.pid, 9)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if proc.returncode != 0 or summary is None:
+            tail = log.read_text(errors="replace").strip().splitlines()[-3:]
+            raise RuntimeError(f"partition {index} worker exited {proc.returncode} on "
+                               f"{ray.util.get_node_ip_address()}: {' | '.join(tail)}")
+    return dict(summary, node=ray.util.get_node_ip_address(), attempt=attempt)
+
+
+def connect(address: str | None) -> None:
+    import ray
+
+    address = address or os.environ.get("RAY_ADDRESS") or "auto"
+    hint = ("Start one with `ray start --head` (and `ray start --address HEAD:6379` on the other nodes), "
+            "or give --ray-address")
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if host and port.isdigit():  # Ray retries an unreachable address for minutes; probe it first
+        try:
+            socket.create_connection((host, int(port)), timeout=5).close()
+        except OSError as e:
+            raise UsageError(f"no Ray cluster at {address!r} ({e.strerror or e}). {hint}") from None
+    try:
+        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False, ignore_reinit_error=True)
+    except (ConnectionError, RuntimeError) as e:
+        raise UsageError(f"no Ray cluster at {address!r} ({str(e).splitlines()[0][:160]}). {hint}") from None
+
+
+def run_ray(cfg: ExtractConfig, progress: bool | None = None):
+    """Every partition as a Ray task; returns the combined Summary (with the node of each)."""
+    with contextlib.redirect_stdout(sys.stderr):  # Ray's notices (task retried, ...) are logs, not results
+        return _run_ray(cfg, progress)
+
+
+def _run_ray(cfg: ExtractConfig, progress: bool | None):
+    try:
+        import ray
+    except ImportError:
+        raise UsageError("--ray needs Ray on every node: pip install 'vx[ray]'") from None
+    from .extract import check_dataset, prepare_job, prepare_root
+
+    t0 = time.perf_counter()
+    job = prepare_job(cfg)
+    if cfg.strict:
+        check_dataset(cfg, job)
+    connect(cfg.ray_address)
+    resources = ray.cluster_resources()
+    gpus, tp = int(resources.get("GPU", 0)), cfg.tensor_parallel_size
+    if cfg.num_partitions == 1:  # default: one partition per engine the cluster can hold
+        engines = gpus // tp if gpus else int(resources.get("CPU", 1))
+        cfg = replace(cfg, num_partitions=max(1, engines))
+    prepare_root(cfg, job)
+    t_plan = time.perf_counter()
+    plan_file, balance = make_plan(cfg, job)
+    balance["plan_s"] = round(time.perf_counter() - t_plan, 2)
+    plan = ray.put(Path(plan_file).read_bytes())
+    sink = ray.remote(num_cpus=0)(ProgressSink).remote()
+    task = ray.remote(partition_task).options(
+        num_gpus=tp if gpus else 0, num_cpus=1, max_retries=cfg.max_retries, retry_exceptions=True)
+    cpu_share = None
+    if not gpus:  # CPU cluster: engines on a node share its memory
+        per_node = max(int(n["Resources"].get("CPU", 1)) for n in ray.nodes() if n.get("Alive"))
+        cpu_share = 0.3 / per_node
+    env = {k: v for k, v in os.environ.items() if k.startswith(FORWARD_ENV)}
+    refs = {task.remote(partition_config(cfg, i, None, cpu_share=cpu_share, portable=True), plan, env, sink): i
+            for i in range(cfg.num_partitions)}
+    bar = RunProgress(None, enabled=progress)
+    tally = Tally(bar)
+    results, failed = {}, {}
+    t_start = time.perf_counter()
+    try:
+        while refs:
+            ready, _ = ray.wait(list(refs), num_returns=1, timeout=0.5)
+            for key, (index, rec) in ray.get(sink.snapshot.remote()).items():
+                tally.update(key, rec)
+            for ref in ready:
+                index = refs.pop(ref)
+                try:
+                    results[index] = dict(ray.get(ref), finished_s=round(time.perf_counter() - t_start, 2))
+                except Exception as e:  # retries exhausted
+                    failed[index] = str(e).strip().splitlines()[-1][:300]
+        attempts = {}
+        for key, (index, _) in ray.get(sink.snapshot.remote()).items():
+            attempts[index] = attempts.get(index, 0) + 1
+    finally:
+        bar.close()
+    if failed:
+        lines = "; ".join(f"partition {i}: {v}" for i, v in sorted(failed.items()))
+        raise VxError(f"{len(failed)} of {cfg.num_partitions} partitions failed after {cfg.max_retries} retries: "
+                      f"{lines}. Committed shards are kept; rerun the same command to finish them")
+    s = combine(cfg, job.backend, results, time.perf_counter() - t0, time.perf_counter() - t_start, balance)
+    for p in s.partitions:
+        p.update(node=results[p["partition"]].get("node"), attempts=attempts.get(p["partition"], 1))
+    return s
