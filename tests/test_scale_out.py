@@ -4,6 +4,7 @@ Every test compares against a single-process run of the same data: same ids, sam
 states within the vLLM-vs-HF bound of test_vllm_backend (bf16 batching differs between runs)."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -56,6 +57,15 @@ def test_two_data_parallel_engines_give_the_single_process_dataset(tmp_path, sin
     assert max(tokens) - min(tokens) <= 0.05 * sum(tokens) / 2
     inspect = json.loads(vx_cmd("inspect", str(out), "--json").stdout)
     assert inspect["samples"] == 64 and inspect["tokens"] == 22544 and inspect["partitions"] == 2
+
+
+def test_2_engines_of_tensor_parallel_2_give_the_single_process_dataset(tmp_path, single_vllm):
+    """DP x TP = 2 x 2 (on CPU: 4 ranks on this machine's cores); only TP rank 0 captures."""
+    out = tmp_path / "dp-tp"
+    r, s = extract(CHAT, "-o", str(out), "--backend", "vllm", "--dp", "2", "--tensor-parallel-size", "2")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert s["samples"] == 64 and len(s["partitions"]) == 2
+    assert_same_dataset(vx.open_dataset(out), single_vllm)
 
 
 def test_a_killed_worker_is_reported_and_the_same_command_finishes_its_partition_only(tmp_path, single_vllm):
@@ -131,3 +141,16 @@ def test_data_parallel_to_s3_gives_one_verified_dataset(s3_server, tmp_path, tin
     assert sorted(ds.ids) == sorted(f"s{i}" for i in range(24))
     verify = vx_cmd("verify", "s3://vx-out/dp", "--endpoint-url", url, "--samples", "2", "--json", env=env)
     assert verify.returncode == 0 and json.loads(verify.stdout)["ok"], verify.stdout + verify.stderr[-1500:]
+
+
+def test_engine_slots_are_gpu_groups_of_the_tensor_parallel_size_or_disjoint_cpu_cores(tmp_path):
+    from vx.config import ExtractConfig
+    from vx.launch import worker_slots
+
+    cfg = ExtractConfig(data=CHAT, output=tmp_path / "o", gpus=[4, 5, 6, 7], tensor_parallel_size=2)
+    assert cfg.data_parallel_size == 2 and cfg.num_partitions == 2  # 4 GPUs = 2 engines x TP 2
+    assert worker_slots(cfg) == [{"CUDA_VISIBLE_DEVICES": "4,5"}, {"CUDA_VISIBLE_DEVICES": "6,7"}]
+    cpu = worker_slots(ExtractConfig(data=CHAT, output=tmp_path / "o", data_parallel_size=2))
+    cores = [set(s["VX_CPU_CORES"].split(",")) for s in cpu]
+    assert len(cpu) == 2 and (not cores[0] & cores[1] or len(os.sched_getaffinity(0)) < 2)
+    assert all(s["VLLM_CPU_OMP_THREADS_BIND"] == s["VX_CPU_CORES"] for s in cpu)

@@ -140,7 +140,7 @@ def _run_ray(cfg: ExtractConfig, progress: bool | None):
     env = {k: v for k, v in os.environ.items() if k.startswith(FORWARD_ENV)}
     refs = {task.remote(partition_config(cfg, i, None, cpu_share=cpu_share, portable=True), plan, env, sink): i
             for i in range(cfg.num_partitions)}
-    bar = RunProgress(None, enabled=progress)
+    bar = RunProgress(sum(balance["lines"]), enabled=progress)
     tally = Tally(bar)
     results, failed = {}, {}
     t_start = time.perf_counter()

@@ -23,7 +23,7 @@ from .vllm_worker import WARMUP_PREFIX
 EXTENSION = "vx.vllm_worker.VxWorkerExtension"
 
 
-def _cpu_env() -> None:
+def _cpu_env(tensor_parallel_size: int = 1) -> None:
     # results go to stdout, so vLLM's logs go to stderr
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     import torch
@@ -32,6 +32,13 @@ def _cpu_env() -> None:
         # vLLM reserves one core for its engine process by default; on small CPU machines the
         # worker then runs on one thread. vx's engine process only feeds requests.
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        if tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            # vLLM's auto binding wants a NUMA node per rank; give each rank its share of our cores
+            cores = sorted(os.sched_getaffinity(0))
+            n = tensor_parallel_size
+            ranks = [cores[r * len(cores) // n:(r + 1) * len(cores) // n] or cores[r % len(cores):][:1]
+                     for r in range(n)]
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, g)) for g in ranks)
 
 
 def request_params(s: Sample):
@@ -56,7 +63,7 @@ class VllmExtractor:
                  dtype: str = "auto", max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                  max_num_seqs: int | None = None, gpu_memory_utilization: float | None = None,
                  tensor_parallel_size: int = 1, enforce_eager: bool | None = None, seed: int = 0):
-        _cpu_env()
+        _cpu_env(tensor_parallel_size)
         import torch
         from vllm import LLM
 
