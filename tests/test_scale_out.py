@@ -154,3 +154,13 @@ def test_engine_slots_are_gpu_groups_of_the_tensor_parallel_size_or_disjoint_cpu
     cores = [set(s["VX_CPU_CORES"].split(",")) for s in cpu]
     assert len(cpu) == 2 and (not cores[0] & cores[1] or len(os.sched_getaffinity(0)) < 2)
     assert all(s["VLLM_CPU_OMP_THREADS_BIND"] == s["VX_CPU_CORES"] for s in cpu)
+
+
+def test_a_second_writer_on_the_same_output_stops_at_once(tmp_path, tiny_model):
+    from vx.output import output_lock
+
+    out = tmp_path / "out"
+    with output_lock(out):  # another vx extract is writing here
+        r = vx_cmd("extract", CHAT, "-o", str(out), "--backend", "hf")
+    assert r.returncode == 2 and "is being written by another vx extract (pid" in r.stderr, r.stderr[-1000:]
+    assert not list(out.glob("shard-*"))

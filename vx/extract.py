@@ -15,7 +15,7 @@ from .dataset import BadLine, Sample, count_lines, read_samples
 from .errors import UsageError, VxError
 from .layers import check_layer_ids, default_layer_ids
 from .model import load_tokenizer, model_info, resolve_model
-from .output import ErrorLog, claim_root, clear_partitions, committed_ids_under, prepare_output
+from .output import ErrorLog, claim_root, clear_partitions, committed_ids_under, output_lock, prepare_output
 from .progress import RunProgress
 from .shards import RUN_META, ShardWriter
 
@@ -118,9 +118,10 @@ def prepare_root(cfg: ExtractConfig, job: Job) -> None:
             clear_remote(job.target, cfg.endpoint_url)
         else:
             fetch_remote_state(job.target, cfg.endpoint_url, cfg.output)
-    if cfg.overwrite:
-        clear_partitions(cfg.output)
-    prepare_output(cfg.output, job.meta, cfg.overwrite)
+    with output_lock(cfg.output):
+        if cfg.overwrite:
+            clear_partitions(cfg.output)
+        prepare_output(cfg.output, job.meta, cfg.overwrite)
     if job.target is not None:
         from .s3 import put_file
 
@@ -152,6 +153,11 @@ def run_extract(cfg: ExtractConfig, progress: bool | None = None, reporter=None)
         clear_partitions(cfg.output)
     if not cfg.partitioned:  # partitions of an earlier data-parallel run count as done
         elsewhere |= committed_ids_under(cfg.output, exclude=cfg.output)
+    with output_lock(cfg.output):
+        return _extract_locked(cfg, job, target, lines, elsewhere, progress, reporter, t0)
+
+
+def _extract_locked(cfg, job, target, lines, elsewhere, progress, reporter, t0) -> Summary:
     meta, info, layer_ids = job.meta, job.info, job.layer_ids
     state = prepare_output(cfg.output, meta, cfg.overwrite)
     skip = frozenset(state.committed_ids | elsewhere)

@@ -122,7 +122,7 @@ def run_data_parallel(cfg: ExtractConfig, progress: bool | None = None):
     bar = RunProgress(sum(balance["lines"]) - len(committed_ids_under(cfg.output)), enabled=progress)
     tally, events = Tally(bar), queue.Queue()
     todo = list(range(cfg.num_partitions))
-    running: dict[int, tuple[subprocess.Popen, int, float, Path]] = {}  # slot -> (proc, partition, start, log)
+    running: dict[int, tuple] = {}  # slot -> (proc, partition, start, log, stdout reader)
     results: dict[int, dict] = {}
     failed: dict[int, str] = {}
     t_start = time.perf_counter()
@@ -132,12 +132,13 @@ def run_data_parallel(cfg: ExtractConfig, progress: bool | None = None):
                 if slot not in running and todo:
                     running[slot] = _start(cfg, todo.pop(0), slots[slot], plan_file, cpu_share, logs, events)
             _drain(events, tally, results)
-            for slot, (proc, index, started, log) in list(running.items()):
+            for slot, (proc, index, started, log, reader) in list(running.items()):
                 if proc.poll() is None:
                     continue
                 del running[slot]
+                _reap(proc)  # its engine processes hold its stdout open: gone first, then the last lines
+                reader.join(timeout=30)
                 _drain(events, tally, results)
-                _reap(proc)
                 if proc.returncode != 0 or index not in results:
                     failed[index] = f"exit {proc.returncode}, log {log}: {_last_line(log)}"
                 else:
@@ -172,7 +173,7 @@ def _start(cfg, index, slot_env, plan_file, cpu_share, logs, events):
     from .partition import part_name
 
     log = logs / f"{part_name(index, cfg.num_partitions)}.log"
-    env = dict(os.environ, **slot_env, VX_PARTITION=str(index))
+    env = dict(os.environ, **slot_env, VX_PARTITION=str(index), VX_PARENT_PID=str(os.getpid()))
     with open(log, "a") as f:
         f.write(f"--- partition {index} started {time.strftime('%Y-%m-%d %H:%M:%S')} with "
                 f"{json.dumps(slot_env)}\n")
@@ -180,8 +181,9 @@ def _start(cfg, index, slot_env, plan_file, cpu_share, logs, events):
     proc = subprocess.Popen(worker_command(partition_config(cfg, index, plan_file, cpu_share)), env=env,
                             stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
     err.close()
-    threading.Thread(target=read_events, args=(proc.stdout, index, events), daemon=True).start()
-    return proc, index, time.perf_counter(), log
+    reader = threading.Thread(target=read_events, args=(proc.stdout, index, events), daemon=True)
+    reader.start()
+    return proc, index, time.perf_counter(), log, reader
 
 
 def _drain(events: queue.Queue, tally: Tally, results: dict) -> None:
@@ -235,6 +237,20 @@ def combine(cfg, backend: str, results: dict[int, dict], total_s: float, extract
     return s
 
 
+def _die_with_parent() -> None:
+    """A worker whose launcher (or Ray task) is gone must not keep writing its partition beside a
+    retry of it: the kernel kills it with its parent (Linux prctl PR_SET_PDEATHSIG)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    parent = os.environ.get("VX_PARENT_PID")
+    if parent and os.getppid() != int(parent):  # the parent died before the call
+        os._exit(1)
+
+
 def worker_main(argv: list[str]) -> int:
     """`python -m vx.launch CONFIG_JSON`: run one partition, progress and summary as JSON lines."""
     from .cli import run_guarded
@@ -242,6 +258,7 @@ def worker_main(argv: list[str]) -> int:
     from .progress import EventProgress
 
     d = json.loads(argv[0])
+    _die_with_parent()
     cores = os.environ.get("VX_CPU_CORES")
     if cores:
         os.sched_setaffinity(0, {int(c) for c in cores.split(",")})

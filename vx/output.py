@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import re
 import shutil
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +18,7 @@ from .shards import ERRORS, MANIFEST, RUN_META, read_manifest
 # Keys of vx.json that must match for a rerun to continue the same output.
 IDENTITY_KEYS = ("model_fingerprint", "layer_ids", "store_dtype", "hidden_size")
 # A partition's own output directory under the root: part-00003-of-00008/
+LOCK = ".vx-lock"
 PART_RE = re.compile(r"^part-\d{5}-of-\d{5}$")
 
 
@@ -78,6 +82,29 @@ class ResumeState:
     committed_ids: set[str]
     next_shard: int
     committed_tokens: int
+
+
+@contextlib.contextmanager
+def output_lock(out: Path):
+    """One writer per output directory (per partition directory): a second `vx extract` on the
+    same one, on this machine, stops at once instead of deleting the first one's pending shards."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / LOCK, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            raise UsageError(f"{out} is being written by another vx extract ({f.read().strip() or 'running'}); "
+                             "wait for it or stop it first") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def prepare_output(out: Path, meta: dict, overwrite: bool) -> ResumeState:

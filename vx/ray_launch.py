@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import replace
@@ -58,25 +59,32 @@ def partition_task(config: dict, plan: bytes, env: dict, sink) -> dict:
         plan_file = Path(tmp) / "plan.npy"
         plan_file.write_bytes(plan)
         log = Path(tmp) / "worker.log"
+        env = dict(os.environ, **env, VX_PARTITION=str(index), VX_PARENT_PID=str(os.getpid()))
         with open(log, "w") as err:
-            proc = subprocess.Popen(worker_command(dict(config, plan_file=str(plan_file))),
-                                    env=dict(os.environ, **env, VX_PARTITION=str(index)), stdout=subprocess.PIPE,
-                                    stderr=err, text=True, start_new_session=True)
-        summary = None
-        for line in proc.stdout:
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(rec, dict) and "vx" in rec:
-                sink.report.remote(f"{index}-{attempt}", index, rec)
-                if rec["vx"] == "summary":
-                    summary = rec["summary"]
+            proc = subprocess.Popen(worker_command(dict(config, plan_file=str(plan_file))), env=env,
+                                    stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
+        got: dict = {}
+
+        def relay():
+            for line in proc.stdout:
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(rec, dict) and "vx" in rec:
+                    sink.report.remote(f"{index}-{attempt}", index, rec)
+                    if rec["vx"] == "summary":
+                        got["summary"] = rec["summary"]
+
+        reader = threading.Thread(target=relay, daemon=True)
+        reader.start()
         proc.wait()
-        try:  # the worker's vLLM engine processes must not outlive it
+        try:  # its vLLM engine processes must not outlive it (they also hold its stdout open)
             os.killpg(proc.pid, 9)
         except (ProcessLookupError, PermissionError):
             pass
+        reader.join(timeout=30)
+        summary = got.get("summary")
         if proc.returncode != 0 or summary is None:
             tail = log.read_text(errors="replace").strip().splitlines()[-3:]
             raise RuntimeError(f"partition {index} worker exited {proc.returncode} on "
