@@ -1,6 +1,6 @@
-"""--ray on a real local Ray cluster (started here by ray.init, 2 CPUs as resources): the
-partitions run as Ray tasks, a partition task killed once is retried by Ray and resumes from
-its manifest, and the output is the single-process dataset, exactly once."""
+"""--ray on a real local Ray cluster (started here by ray.init, 2 CPUs as resources) writing to
+a real S3 endpoint: the partitions run as Ray tasks, a partition task killed once is retried by
+Ray and resumes from its manifest, and S3 holds the single-process dataset, exactly once."""
 
 import json
 
@@ -9,6 +9,7 @@ import pytest
 import vx
 from conftest import ROOT
 from test_cli import vx_cmd
+from test_s3 import CREDS, download, s3_server  # noqa: F401  (fixture)
 from test_scale_out import CHAT, assert_same_dataset
 
 
@@ -21,20 +22,23 @@ def ray_cluster(tiny_model):
     ray.shutdown()
 
 
-def test_partitions_run_as_ray_tasks_and_a_killed_one_is_retried_exactly_once(ray_cluster, tmp_path):
-    out, single, marker = tmp_path / "ray", tmp_path / "single", tmp_path / "killed-once"
-    r = vx_cmd("extract", CHAT, "-o", str(out), "--backend", "hf", "--batch-size", "4", "--ray",
-               "--ray-address", ray_cluster, "--num-partitions", "2", "--json",
-               env={"VX_FAULT": "after-batch:2", "VX_FAULT_PARTITION": "1", "VX_FAULT_ONCE": str(marker)})
+def test_partitions_run_as_ray_tasks_and_a_killed_one_is_retried_exactly_once(ray_cluster, s3_server,  # noqa: F811
+                                                                               tmp_path):
+    url, client = s3_server
+    single, marker = tmp_path / "single", tmp_path / "killed-once"
+    env = dict(CREDS, VX_FAULT="after-batch:2", VX_FAULT_PARTITION="1", VX_FAULT_ONCE=str(marker))
+    r = vx_cmd("extract", CHAT, "-o", "s3://vx-out/ray", "--endpoint-url", url, "--backend", "hf",
+               "--batch-size", "4", "--shard-size", "5", "--ray", "--ray-address", ray_cluster,
+               "--num-partitions", "2", "--json", env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert marker.exists(), "the fault never fired"
     s = json.loads(r.stdout)  # stdout holds the summary only; Ray's retry notice went to stderr
     assert [p["attempts"] for p in s["partitions"]] == [1, 2]
     assert s["samples"] == 64 and s["tokens"] == 22544
     assert vx_cmd("extract", CHAT, "-o", str(single), "--backend", "hf").returncode == 0
-    ds = vx.open_dataset(out)
-    assert_same_dataset(ds, vx.open_dataset(single), states=False)
-    verify = vx_cmd("verify", str(out), "--samples", "2", "--json")
+    download(client, "vx-out", "ray", tmp_path / "copy")
+    assert_same_dataset(vx.open_dataset(tmp_path / "copy"), vx.open_dataset(single), states=False)
+    verify = vx_cmd("verify", "s3://vx-out/ray", "--endpoint-url", url, "--samples", "2", "--json", env=CREDS)
     assert verify.returncode == 0 and json.loads(verify.stdout)["ok"], verify.stdout
 
 
