@@ -109,8 +109,6 @@ def check_dataset(cfg: ExtractConfig, job: Job) -> None:
 
 def prepare_root(cfg: ExtractConfig, job: Job) -> None:
     """Launchers, once before their workers start: --overwrite, identity, root vx.json (local and S3)."""
-    from .output import clear_partitions
-
     if job.target is not None:
         from .s3 import clear_remote, fetch_remote_state
 
