@@ -104,7 +104,7 @@ def test_samples_with_nan_or_an_all_zero_layer_are_rejected_never_committed(tmp_
     zero[:, 2] = 0
     reasons = []
     state = prepare_output(tmp_path, META, overwrite=False)
-    w = ShardWriter(tmp_path, {}, 10**9, state.next_shard, L, H, "bf16", on_reject=lambda i, r: reasons.append((i, r)))
+    w = ShardWriter(tmp_path, {}, 10**9, state.next_shard, L, H, "bf16", on_reject=lambda i, r, line: reasons.append((i, r)))
     w.add(*good[0])
     w.add("nan", [1, 2, 3, 4], [1] * 4, nan)
     w.add("zero", [1, 2, 3, 4], [1] * 4, zero)

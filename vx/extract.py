@@ -185,18 +185,15 @@ def _extract_locked(cfg, job, target, lines, elsewhere, progress, reporter, t0) 
 
     try:
         if job.backend == "hf":
-            lines_of_ids: dict[str, int] = {}
-
-            def reject(sample_id: str, reason: str) -> None:
-                errors.write({"line": lines_of_ids.get(sample_id), "id": sample_id, "reason": reason})
+            def reject(sample_id: str, reason: str, line: int | None) -> None:  # in the writer thread
+                errors.write({"line": line, "id": sample_id, "reason": reason})
                 if cfg.strict:
                     raise VxError(f"sample {sample_id!r} rejected: {reason} (--strict)")
 
             writer = ShardWriter(cfg.output, shard_meta, shard_args[1], state.next_shard, len(layer_ids),
                                  info.hidden_size, cfg.store_dtype, on_reject=reject, max_local_bytes=max_local,
                                  compress=cfg.compress)
-            *stats, = _run_hf(cfg, job.model_dir, layer_ids, job.tokenizer, good_samples(), writer, bar, t0,
-                              lines_of_ids)
+            *stats, = _run_hf(cfg, job.model_dir, layer_ids, job.tokenizer, good_samples(), writer, bar, t0)
             shards, nbytes, peak_local = writer.committed_shards, writer.committed_bytes, writer.peak_local_bytes
         else:
             from .vllm_backend import run_vllm
@@ -248,7 +245,7 @@ def _enter_partition(cfg: ExtractConfig, job: Job):
     return replace(cfg, output=root / name, upload=upload, staged=False), lines, elsewhere
 
 
-def _run_hf(cfg, model_dir, layer_ids, tokenizer, samples, writer, bar, t0, lines):
+def _run_hf(cfg, model_dir, layer_ids, tokenizer, samples, writer, bar, t0):
     from .hf_backend import HFExtractor, length_sorted_batches, load_hf_model
 
     model = load_hf_model(model_dir, cfg.dtype, cfg.device)
@@ -258,10 +255,8 @@ def _run_hf(cfg, model_dir, layer_ids, tokenizer, samples, writer, bar, t0, line
     t1 = time.perf_counter()
     n = tokens = 0
     for batch in length_sorted_batches(samples, cfg.batch_size, cfg.max_batch_tokens, cfg.sort_window):
-        lines.clear()
-        lines.update((s.id, s.line) for s in batch)
         for s, h in zip(batch, extractor.extract(batch)):
-            writer.add(s.id, s.input_ids, s.loss_mask, h)
+            writer.add(s.id, s.input_ids, s.loss_mask, h, line=s.line)
         faults.point("after-batch")
         n += len(batch)
         tokens += sum(len(s) for s in batch)

@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import socket
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -155,11 +156,13 @@ class ErrorLog:
         self.path = Path(out) / ERRORS
         self._f = open(self.path, "w")
         self.count = 0
+        self._lock = threading.Lock()  # bad lines come from the reader, rejected states from the writer thread
 
     def write(self, record: dict) -> None:
-        self._f.write(json.dumps(record) + "\n")
-        self._f.flush()
-        self.count += 1
+        with self._lock:
+            self._f.write(json.dumps(record) + "\n")
+            self._f.flush()
+            self.count += 1
 
     def close(self) -> None:
         self._f.close()

@@ -28,7 +28,7 @@ import torch
 
 from . import faults
 from .errors import VxError
-from .storage import SampleRejected, check_states, encode
+from .storage import SampleRejected, bytes_per_token, check_states, encode
 
 MANIFEST = "manifest.jsonl"
 ERRORS = "errors.jsonl"
@@ -119,6 +119,7 @@ def _buffers(head: bytes, tensors: dict[str, list[torch.Tensor]]):
 class PendingShard:
     index: int
     ids: list[str] = field(default_factory=list)
+    lines: list[int | None] = field(default_factory=list)  # dataset lines, for rejections
     hidden: list[torch.Tensor] = field(default_factory=list)
     scales: list[torch.Tensor] = field(default_factory=list)
     input_ids: list[torch.Tensor] = field(default_factory=list)
@@ -143,11 +144,12 @@ class ShardWriter:
         self.layer_count = layer_count
         self.hidden_size = hidden_size
         self.store_dtype = store_dtype
-        self.on_reject = on_reject  # called (sample_id, reason) for a sample failing check_states
+        self.on_reject = on_reject  # called (sample_id, reason, line) in the writer thread for a sample failing check_states
         self.rejected: list[tuple[str, str]] = []
         self.max_local_bytes = max_local_bytes  # wait for the uploader to free disk before a shard
         self.compress = compress
         self.peak_local_bytes = 0
+        self._token_bytes = bytes_per_token(store_dtype, layer_count, hidden_size) + 5  # + int32 id, uint8 mask
         self.open = PendingShard(next_index)
         self.committed_bytes = 0
         self.added_bytes = 0  # hidden states + ids + masks handed to add(), committed or not
@@ -158,30 +160,28 @@ class ShardWriter:
         self._thread = threading.Thread(target=self._run, name="vx-shard-writer", daemon=True)
         self._thread.start()
 
-    def add(self, sample_id: str, input_ids: list[int], loss_mask: list[int], hidden: torch.Tensor) -> None:
-        """Queue one sample: hidden [T, L, H] (any dtype, CPU or device), T = len(input_ids)."""
+    def add(self, sample_id: str, input_ids: list[int], loss_mask: list[int], hidden: torch.Tensor,
+            line: int | None = None) -> None:
+        """Queue one sample: hidden [T, L, H] (any dtype, CPU or device), T = len(input_ids).
+
+        Only cheap work happens here, on the caller's (the forward's) time: a device tensor is
+        copied to the host (freeing device memory), everything else is appended. The checks and
+        the store-dtype encoding run in the writer thread, overlapped with the next forwards."""
         self._raise_if_failed()
         t = len(input_ids)
         if hidden.shape != (t, self.layer_count, self.hidden_size):
             raise RuntimeError(f"sample {sample_id}: hidden states {tuple(hidden.shape)} != "
                                f"({t}, {self.layer_count}, {self.hidden_size})")
-        try:
-            check_states(hidden, t)
-        except SampleRejected as e:
-            self.rejected.append((sample_id, str(e)))
-            if self.on_reject is not None:
-                self.on_reject(sample_id, str(e))
-            return
-        h, scales = encode(hidden, self.store_dtype)
+        if hidden.device.type != "cpu":
+            hidden = hidden.to("cpu")
         s = self.open
         s.ids.append(sample_id)
-        s.hidden.append(h)
-        if scales is not None:
-            s.scales.append(scales)
+        s.lines.append(line)
+        s.hidden.append(hidden)
         s.input_ids.append(torch.tensor(input_ids, dtype=torch.int32))
         s.loss_mask.append(torch.tensor(loss_mask, dtype=torch.uint8))
         s.tokens += t
-        nbytes = h.numel() * h.element_size() + 5 * t + (scales.numel() * 4 if scales is not None else 0)
+        nbytes = t * self._token_bytes  # as stored
         s.nbytes += nbytes
         self.added_bytes += nbytes
         if s.nbytes >= self.shard_bytes:
@@ -229,7 +229,30 @@ class ShardWriter:
             except BaseException as e:  # surfaced to the caller on its next add()/close()
                 self._error = e
 
+    def check_and_encode(self, s: PendingShard) -> None:
+        """Drop samples whose states fail check_states (reported, never written); encode the rest."""
+        keep = []
+        for i, (sid, h) in enumerate(zip(s.ids, s.hidden)):
+            try:
+                check_states(h, len(s.input_ids[i]))
+            except SampleRejected as e:
+                self.rejected.append((sid, str(e)))
+                if self.on_reject is not None:
+                    self.on_reject(sid, str(e), s.lines[i])
+                continue
+            keep.append(i)
+        encoded = [encode(s.hidden[i], self.store_dtype) for i in keep]
+        s.ids, s.lines = [s.ids[i] for i in keep], [s.lines[i] for i in keep]
+        s.input_ids, s.loss_mask = [s.input_ids[i] for i in keep], [s.loss_mask[i] for i in keep]
+        s.hidden = [h for h, _ in encoded]
+        s.scales = [sc for _, sc in encoded if sc is not None]
+        s.tokens = sum(len(x) for x in s.input_ids)
+        s.nbytes = s.tokens * self._token_bytes
+
     def commit(self, s: PendingShard) -> None:
+        self.check_and_encode(s)
+        if not s.ids:  # every sample rejected: nothing to write (the shard number stays unused)
+            return
         name = shard_name(s.index, self.compress)
         tmp = self.out_dir / f".{name}.tmp"
         from .s3 import local_shard_bytes, wait_for_room
