@@ -68,7 +68,7 @@ def main(argv=None):
         "single_extract_s": round(med(singles, "extract_s"), 2), "dp_extract_s": round(med(parallels, "extract_s"), 2),
         "single_wall_s": round(med(singles, "wall_s"), 2), "dp_wall_s": round(med(parallels, "wall_s"), 2),
         "single_tokens_per_s": round(med(singles, "tokens_per_s")), "dp_tokens_per_s": round(med(parallels, "tokens_per_s")),
-        "partition_tokens": tokens, "token_spread": round((max(tokens) - min(tokens)) / (sum(tokens) / len(tokens)), 5),
+        "partition_tokens": tokens, "token_spread": parallels[-1]["balance"]["token_spread"],
         "finish_spread_s": [p["balance"]["finish_spread_s"] for p in parallels],
         "plan_s": parallels[-1]["balance"]["plan_s"],
     }

@@ -71,7 +71,32 @@ def worker_command(config: dict) -> list[str]:
     return [sys.executable, "-m", "vx.launch", json.dumps(config)]
 
 
-def read_events(stream, index: int, events: queue.Queue) -> None:
+def spawn_worker(config: dict, extra_env: dict, log: Path, on_event) -> tuple[subprocess.Popen, threading.Thread]:
+    """Start one partition's worker: its own session (its vLLM engine processes go with it), stderr
+    appended to `log`, each JSON event of its stdout handed to on_event(rec) by a reader thread."""
+    env = dict(os.environ, **extra_env, VX_PARTITION=str(config["partition_index"]),
+               VX_PARENT_PID=str(os.getpid()))
+    with open(log, "a") as err:
+        proc = subprocess.Popen(worker_command(config), env=env, stdout=subprocess.PIPE, stderr=err, text=True,
+                                start_new_session=True)
+    reader = threading.Thread(target=read_events, args=(proc.stdout, on_event), daemon=True)
+    reader.start()
+    return proc, reader
+
+
+def reap_worker(proc: subprocess.Popen, reader: threading.Thread, kill: bool = False) -> None:
+    """After a worker exits (or to stop it): its process group goes first, since its engine
+    processes hold its stdout open, then its last lines are read."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL if kill or proc.returncode else signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        pass
+    if kill:
+        proc.wait()
+    reader.join(timeout=30)
+
+
+def read_events(stream, on_event) -> None:
     """A worker's stdout: JSON progress/summary lines (anything else is passed to stderr)."""
     for line in stream:
         try:
@@ -79,7 +104,7 @@ def read_events(stream, index: int, events: queue.Queue) -> None:
         except json.JSONDecodeError:
             rec = None
         if isinstance(rec, dict) and "vx" in rec:
-            events.put((index, rec))
+            on_event(rec)
         elif line.strip():
             print(line.rstrip(), file=sys.stderr)
 
@@ -136,18 +161,17 @@ def run_data_parallel(cfg: ExtractConfig, progress: bool | None = None):
                 if proc.poll() is None:
                     continue
                 del running[slot]
-                _reap(proc)  # its engine processes hold its stdout open: gone first, then the last lines
-                reader.join(timeout=30)
+                reap_worker(proc, reader)
                 _drain(events, tally, results)
                 if proc.returncode != 0 or index not in results:
-                    failed[index] = f"exit {proc.returncode}, log {log}: {_last_line(log)}"
+                    failed[index] = f"exit {proc.returncode}, log {log}: {last_line(log)}"
                 else:
                     results[index].update(finished_s=round(time.perf_counter() - t_start, 2),
                                           wall_s=round(time.perf_counter() - started, 2))
             time.sleep(0.1)
     except BaseException:
-        for proc, *_ in running.values():
-            _reap(proc, kill=True)
+        for proc, _, _, _, reader in running.values():
+            reap_worker(proc, reader, kill=True)
         raise
     finally:
         bar.close()
@@ -173,16 +197,11 @@ def _start(cfg, index, slot_env, plan_file, cpu_share, logs, events):
     from .partition import part_name
 
     log = logs / f"{part_name(index, cfg.num_partitions)}.log"
-    env = dict(os.environ, **slot_env, VX_PARTITION=str(index), VX_PARENT_PID=str(os.getpid()))
     with open(log, "a") as f:
         f.write(f"--- partition {index} started {time.strftime('%Y-%m-%d %H:%M:%S')} with "
                 f"{json.dumps(slot_env)}\n")
-    err = open(log, "a")
-    proc = subprocess.Popen(worker_command(partition_config(cfg, index, plan_file, cpu_share)), env=env,
-                            stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
-    err.close()
-    reader = threading.Thread(target=read_events, args=(proc.stdout, index, events), daemon=True)
-    reader.start()
+    proc, reader = spawn_worker(partition_config(cfg, index, plan_file, cpu_share), slot_env, log,
+                                lambda rec: events.put((index, rec)))
     return proc, index, time.perf_counter(), log, reader
 
 
@@ -197,17 +216,7 @@ def _drain(events: queue.Queue, tally: Tally, results: dict) -> None:
         tally.update(index, rec)
 
 
-def _reap(proc: subprocess.Popen, kill: bool = False) -> None:
-    """A worker's process group (its vLLM engine processes too) must not outlive it."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL if kill or proc.returncode else signal.SIGTERM)
-    except (ProcessLookupError, PermissionError):
-        pass
-    if kill:
-        proc.wait()
-
-
-def _last_line(log: Path) -> str:
+def last_line(log: Path) -> str:
     try:
         lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
     except OSError:
@@ -219,6 +228,7 @@ def _last_line(log: Path) -> str:
 def combine(cfg, backend: str, results: dict[int, dict], total_s: float, extract_s: float, balance: dict):
     """One Summary for the run: sums, and per partition its samples, tokens and finish time."""
     from .extract import Summary
+    from .partition import spread
 
     parts = [dict(partition=i, **{k: r[k] for k in ("samples", "tokens", "errors", "resumed_samples", "shards",
                                                      "bytes_written", "load_s", "warmup_s", "extract_s")},
@@ -227,7 +237,8 @@ def combine(cfg, backend: str, results: dict[int, dict], total_s: float, extract
     starts = [p["finished_s"] - p["extract_s"] for p in parts if p["finished_s"] is not None]
     if finish:  # from the first engine's first sample to the last engine's end (loads excluded)
         extract_s = max(finish) - min(starts)
-    balance = dict(balance, tokens=[p["tokens"] for p in parts],
+    tokens = [p["tokens"] for p in parts]
+    balance = dict(balance, tokens=tokens, token_spread=round(spread(tokens), 5),
                    finish_spread_s=round(max(finish) - min(finish), 2) if finish else 0.0)
     s = Summary(str(cfg.output), backend, *(sum(p[k] for p in parts) for k in
                 ("samples", "tokens", "errors", "resumed_samples", "shards", "bytes_written")),

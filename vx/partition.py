@@ -137,8 +137,13 @@ def lines_of(plan_file: Path, index: int) -> set[int]:
     return set((np.flatnonzero(plan == index) + 1).tolist())
 
 
+def spread(tokens: list[int]) -> float:
+    """(max - min) / mean of the tokens per partition: 0 is a perfect balance."""
+    mean = sum(tokens) / len(tokens) if tokens else 0
+    return (max(tokens) - min(tokens)) / mean if mean else 0.0
+
+
 def balance(plan: np.ndarray, weights: np.ndarray, count: int) -> dict:
-    """Tokens per partition and their spread (max - min) / mean."""
+    """Tokens per partition and their spread."""
     tokens = [int(weights[(plan == p) & (weights > 0)].sum()) for p in range(count)]
-    mean = sum(tokens) / count if count else 0
-    return {"tokens": tokens, "spread": (max(tokens) - min(tokens)) / mean if mean else 0.0}
+    return {"tokens": tokens, "spread": spread(tokens)}

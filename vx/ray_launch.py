@@ -18,10 +18,8 @@ import contextlib
 import logging
 import os
 import socket
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from dataclasses import replace
@@ -29,7 +27,7 @@ from pathlib import Path
 
 from .config import ExtractConfig
 from .errors import UsageError, VxError
-from .launch import Tally, combine, make_plan, partition_config, worker_command
+from .launch import Tally, combine, last_line, make_plan, partition_config, reap_worker, spawn_worker
 from .progress import RunProgress
 
 FORWARD_ENV = ("VX_", "AWS_", "HF_")  # the driver's settings that workers on other nodes need
@@ -50,46 +48,27 @@ class ProgressSink:
 
 def partition_task(config: dict, plan: bytes, env: dict, sink) -> dict:
     """One attempt at one partition, on whatever node Ray chose."""
-    import json
-
     import ray
 
     index, attempt = config["partition_index"], uuid.uuid4().hex[:8]
+    got: dict = {}
+
+    def relay(rec: dict) -> None:
+        sink.report.remote(f"{index}-{attempt}", index, rec)
+        if rec["vx"] == "summary":
+            got["summary"] = rec["summary"]
+
     with tempfile.TemporaryDirectory(prefix="vx-ray-") as tmp:
         plan_file = Path(tmp) / "plan.npy"
         plan_file.write_bytes(plan)
         log = Path(tmp) / "worker.log"
-        env = dict(os.environ, **env, VX_PARTITION=str(index), VX_PARENT_PID=str(os.getpid()))
-        with open(log, "w") as err:
-            proc = subprocess.Popen(worker_command(dict(config, plan_file=str(plan_file))), env=env,
-                                    stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
-        got: dict = {}
-
-        def relay():
-            for line in proc.stdout:
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(rec, dict) and "vx" in rec:
-                    sink.report.remote(f"{index}-{attempt}", index, rec)
-                    if rec["vx"] == "summary":
-                        got["summary"] = rec["summary"]
-
-        reader = threading.Thread(target=relay, daemon=True)
-        reader.start()
+        proc, reader = spawn_worker(dict(config, plan_file=str(plan_file)), env, log, relay)
         proc.wait()
-        try:  # its vLLM engine processes must not outlive it (they also hold its stdout open)
-            os.killpg(proc.pid, 9)
-        except (ProcessLookupError, PermissionError):
-            pass
-        reader.join(timeout=30)
-        summary = got.get("summary")
-        if proc.returncode != 0 or summary is None:
-            tail = log.read_text(errors="replace").strip().splitlines()[-3:]
+        reap_worker(proc, reader)
+        if proc.returncode != 0 or "summary" not in got:
             raise RuntimeError(f"partition {index} worker exited {proc.returncode} on "
-                               f"{ray.util.get_node_ip_address()}: {' | '.join(tail)}")
-    return dict(summary, node=ray.util.get_node_ip_address(), attempt=attempt)
+                               f"{ray.util.get_node_ip_address()}: {last_line(log)}")
+    return dict(got["summary"], node=ray.util.get_node_ip_address(), attempt=attempt)
 
 
 def connect(address: str | None) -> None:

@@ -111,8 +111,7 @@ def extract(
                   f"extract {p['extract_s']:.1f}s, done at {p['finished_s']:.1f}s"
                   + (f", node {p['node']}, {p['attempts']} attempt(s)" if p.get("node") else ""))
         b = s.balance
-        spread = (max(b["tokens"]) - min(b["tokens"])) / (sum(b["tokens"]) / len(b["tokens"])) if sum(b["tokens"]) else 0
-        print(f"balance      token spread {spread:.1%} across {len(s.partitions)} partitions, finish times "
+        print(f"balance      token spread {b['token_spread']:.1%} across {len(s.partitions)} partitions, finish times "
               f"within {b['finish_spread_s']:.1f}s")
 
 
