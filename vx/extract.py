@@ -107,18 +107,24 @@ def check_dataset(cfg: ExtractConfig, job: Job) -> None:
                              "before any compute")
 
 
-def prepare_root(cfg: ExtractConfig, job: Job) -> None:
-    """Launchers, once before their workers start: --overwrite, identity, root vx.json (local and S3)."""
-    if job.target is not None:
+def clear_or_fetch(cfg: ExtractConfig, target) -> None:
+    """--overwrite deletes the earlier extraction at cfg.output (its S3 prefix and partitions too);
+    otherwise a machine without local state fetches the S3 one, to resume from it."""
+    if target is not None:
         from .s3 import clear_remote, fetch_remote_state
 
         if cfg.overwrite:
-            clear_remote(job.target, cfg.endpoint_url)
+            clear_remote(target, cfg.endpoint_url)
         else:
-            fetch_remote_state(job.target, cfg.endpoint_url, cfg.output)
+            fetch_remote_state(target, cfg.endpoint_url, cfg.output)
+    if cfg.overwrite:
+        clear_partitions(cfg.output)
+
+
+def prepare_root(cfg: ExtractConfig, job: Job) -> None:
+    """Launchers, once before their workers start: --overwrite, identity, root vx.json (local and S3)."""
+    clear_or_fetch(cfg, job.target)
     with output_lock(cfg.output):
-        if cfg.overwrite:
-            clear_partitions(cfg.output)
         prepare_output(cfg.output, job.meta, cfg.overwrite)
     if job.target is not None:
         from .s3 import put_file
@@ -137,19 +143,15 @@ def run_extract(cfg: ExtractConfig, progress: bool | None = None, reporter=None)
         cfg, lines, elsewhere = _enter_partition(cfg, job)
     target = None
     if cfg.upload:
-        from .s3 import clear_remote, fetch_remote_state, parse_s3_url, remote_committed_ids
+        from .s3 import parse_s3_url
 
         target = parse_s3_url(cfg.upload)
-        if cfg.overwrite:
-            clear_remote(target, cfg.endpoint_url)
-            clear_partitions(cfg.output)
-        else:
-            fetch_remote_state(target, cfg.endpoint_url, cfg.output)  # resume on a machine without local state
-            if not cfg.partitioned:
-                elsewhere |= remote_committed_ids(target, cfg.endpoint_url)
-    elif cfg.overwrite:
-        clear_partitions(cfg.output)
+    clear_or_fetch(cfg, target)
     if not cfg.partitioned:  # partitions of an earlier data-parallel run count as done
+        if target is not None and not cfg.overwrite:
+            from .s3 import remote_committed_ids
+
+            elsewhere |= remote_committed_ids(target, cfg.endpoint_url)
         elsewhere |= committed_ids_under(cfg.output, exclude=cfg.output)
     with output_lock(cfg.output):
         return _extract_locked(cfg, job, target, lines, elsewhere, progress, reporter, t0)
@@ -228,10 +230,7 @@ def _enter_partition(cfg: ExtractConfig, job: Job):
     from .partition import lines_of, load_or_make_plan, part_name
 
     root, name = cfg.output, part_name(cfg.partition_index, cfg.num_partitions)
-    if job.target is not None:
-        from .s3 import fetch_remote_state, put_file, remote_committed_ids
-
-        fetch_remote_state(job.target, cfg.endpoint_url, root)
+    clear_or_fetch(cfg, job.target)  # the root's vx.json from S3 (--overwrite is refused here)
     claim_root(root, job.meta)
     plan = Path(cfg.plan_file) if cfg.plan_file else load_or_make_plan(
         root, cfg.data, job.model_dir, job.info.fingerprint, cfg.num_partitions, cfg.max_length, cfg.overlong)
@@ -239,6 +238,8 @@ def _enter_partition(cfg: ExtractConfig, job: Job):
     elsewhere = committed_ids_under(root, exclude=root / name)
     upload = None
     if job.target is not None:
+        from .s3 import put_file, remote_committed_ids
+
         put_file(job.target, cfg.endpoint_url, root / RUN_META, RUN_META)
         elsewhere |= remote_committed_ids(job.target, cfg.endpoint_url, exclude=name)
         upload = f"{str(job.target).rstrip('/')}/{name}"

@@ -18,8 +18,8 @@ from .shards import ERRORS, MANIFEST, RUN_META, read_manifest
 
 # Keys of vx.json that must match for a rerun to continue the same output.
 IDENTITY_KEYS = ("model_fingerprint", "layer_ids", "store_dtype", "hidden_size")
-# A partition's own output directory under the root: part-00003-of-00008/
 LOCK = ".vx-lock"
+# A partition's own output directory under the root: part-00003-of-00008/
 PART_RE = re.compile(r"^part-\d{5}-of-\d{5}$")
 
 
@@ -75,7 +75,9 @@ def clear_partitions(root: Path) -> None:
     """--overwrite of a partitioned run: every partition directory and the cached plans go."""
     for d in part_dirs(root):
         shutil.rmtree(d)
-    shutil.rmtree(Path(root) / ".vx-plan", ignore_errors=True)
+    from .partition import PLAN_DIR
+
+    shutil.rmtree(Path(root) / PLAN_DIR, ignore_errors=True)
 
 
 @dataclass

@@ -55,8 +55,8 @@ class EventProgress:
     """RunProgress's interface for a partition worker: JSON progress lines on a stream (its
     stdout, read by the launcher), at most every `every` seconds and once at the end."""
 
-    def __init__(self, stream, partition: int, total: int | None = None, every: float = 0.5):
-        self.stream, self.partition, self.total, self.every = stream, partition, total, every
+    def __init__(self, stream, partition: int, every: float = 0.5):
+        self.stream, self.partition, self.every = stream, partition, every
         self.samples = self.tokens = self.skipped = 0
         self.status = None
         self._last = 0.0
