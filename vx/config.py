@@ -35,7 +35,7 @@ class ExtractConfig:
     max_num_seqs: int | None = None
     gpu_memory_utilization: float | None = None  # None: 0.9 on GPU, 0.3 of host memory on CPU
     tensor_parallel_size: int = 1
-    enforce_eager: bool = False
+    enforce_eager: bool | None = None        # None: compiled on GPU, the measured faster mode on CPU
     # S3 sink
     upload: str | None = None                # s3://bucket/prefix mirrored from the local output
     endpoint_url: str | None = None          # S3-compatible endpoint

@@ -15,10 +15,12 @@ temp file or an unrecorded shard left by a crash is invisible.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import queue
+import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -34,6 +36,7 @@ MANIFEST = "manifest.jsonl"
 ERRORS = "errors.jsonl"
 RUN_META = "vx.json"
 SHARD_FORMAT = "vx-shard-1"
+WRITER_LOCK = ".vx-writer-lock"  # held by the process whose ShardWriter writes into the directory
 
 _ST_DTYPE = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int32: "I32",
              torch.uint8: "U8", torch.int64: "I64", torch.float8_e4m3fn: "F8_E4M3"}
@@ -115,13 +118,46 @@ def _buffers(head: bytes, tensors: dict[str, list[torch.Tensor]]):
             yield memoryview(p.contiguous().view(torch.uint8).numpy())
 
 
+def live_writer(out_dir: Path) -> str | None:
+    """Who holds out_dir's writer lock ('pid N on host'), or None when no live process does. An
+    engine left running by a killed driver still holds it, so a rerun beside it stops at once."""
+    path = Path(out_dir) / WRITER_LOCK
+    if not path.exists():
+        return None
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            return f.read().strip() or "another process"
+        fcntl.flock(f, fcntl.LOCK_UN)
+    return None
+
+
+def _take_writer_lock(out_dir: Path):
+    f = open(Path(out_dir) / WRITER_LOCK, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise VxError(f"{out_dir} is being written by {holder}; stop it (or wait for it) and rerun") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    return f
+
+
 @dataclass
 class PendingShard:
     index: int
     ids: list[str] = field(default_factory=list)
     lines: list[int | None] = field(default_factory=list)  # dataset lines, for rejections
     hidden: list[torch.Tensor] = field(default_factory=list)
-    scales: list[torch.Tensor] = field(default_factory=list)
+    scales: list[torch.Tensor | None] = field(default_factory=list)  # fp8: [T, L] per sample
+    encoded: list[bool] = field(default_factory=list)  # checked and in the store dtype already
     input_ids: list[torch.Tensor] = field(default_factory=list)
     loss_mask: list[torch.Tensor] = field(default_factory=list)
     tokens: int = 0
@@ -154,6 +190,7 @@ class ShardWriter:
         self.committed_bytes = 0
         self.added_bytes = 0  # hidden states + ids + masks handed to add(), committed or not
         self.committed_shards = 0
+        self._lock_file = _take_writer_lock(self.out_dir)  # released by close() or this process's death
         self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._error: BaseException | None = None
         self._closed = False
@@ -167,19 +204,36 @@ class ShardWriter:
         Only cheap work happens here, on the caller's (the forward's) time: a device tensor is
         copied to the host (freeing device memory), everything else is appended. The checks and
         the store-dtype encoding run in the writer thread, overlapped with the next forwards."""
+        if hidden.device.type != "cpu":
+            hidden = hidden.to("cpu")
+        self._append(sample_id, input_ids, loss_mask, hidden, None, False, line)
+
+    def add_encoded(self, sample_id: str, input_ids: list[int], loss_mask: bytes | list[int],
+                    stored: torch.Tensor, scales: torch.Tensor | None, line: int | None = None) -> None:
+        """Queue one sample already checked and encoded (vLLM capture: done on the device)."""
+        self._append(sample_id, input_ids, loss_mask, stored, scales, True, line)
+
+    def reject(self, sample_id: str, reason: str, line: int | None = None) -> None:
+        """Record a sample whose states failed a check made before add (never committed)."""
+        self.rejected.append((sample_id, reason))
+        if self.on_reject is not None:
+            self.on_reject(sample_id, reason, line)
+
+    def _append(self, sample_id, input_ids, loss_mask, hidden, scales, encoded, line) -> None:
         self._raise_if_failed()
         t = len(input_ids)
         if hidden.shape != (t, self.layer_count, self.hidden_size):
             raise RuntimeError(f"sample {sample_id}: hidden states {tuple(hidden.shape)} != "
                                f"({t}, {self.layer_count}, {self.hidden_size})")
-        if hidden.device.type != "cpu":
-            hidden = hidden.to("cpu")
         s = self.open
         s.ids.append(sample_id)
         s.lines.append(line)
         s.hidden.append(hidden)
+        s.scales.append(scales)
+        s.encoded.append(encoded)
         s.input_ids.append(torch.tensor(input_ids, dtype=torch.int32))
-        s.loss_mask.append(torch.tensor(loss_mask, dtype=torch.uint8))
+        s.loss_mask.append(torch.frombuffer(bytearray(loss_mask), dtype=torch.uint8) if isinstance(loss_mask, bytes)
+                           else torch.tensor(loss_mask, dtype=torch.uint8))
         s.tokens += t
         nbytes = t * self._token_bytes  # as stored
         s.nbytes += nbytes
@@ -196,6 +250,7 @@ class ShardWriter:
             self._hand_off()
         self._queue.put(None)
         self._thread.join()
+        self._lock_file.close()
         self._raise_if_failed()
 
     def _hand_off(self) -> None:
@@ -206,6 +261,11 @@ class ShardWriter:
                 return
             except queue.Full:
                 self._raise_if_failed()
+
+    @property
+    def error(self) -> BaseException | None:
+        """What stopped the writer thread, if anything (raised on the next add/close)."""
+        return self._error
 
     def _raise_if_failed(self) -> None:
         if isinstance(self._error, VxError):
@@ -230,22 +290,21 @@ class ShardWriter:
                 self._error = e
 
     def check_and_encode(self, s: PendingShard) -> None:
-        """Drop samples whose states fail check_states (reported, never written); encode the rest."""
+        """Drop samples whose states fail check_states (reported, never written); encode the rest.
+        Samples added already encoded were checked where they were computed."""
         keep = []
         for i, (sid, h) in enumerate(zip(s.ids, s.hidden)):
-            try:
-                check_states(h, len(s.input_ids[i]))
-            except SampleRejected as e:
-                self.rejected.append((sid, str(e)))
-                if self.on_reject is not None:
-                    self.on_reject(sid, str(e), s.lines[i])
-                continue
+            if not s.encoded[i]:
+                try:
+                    check_states(h, len(s.input_ids[i]))
+                except SampleRejected as e:
+                    self.reject(sid, str(e), s.lines[i])
+                    continue
+                s.hidden[i], s.scales[i] = encode(h, self.store_dtype)
             keep.append(i)
-        encoded = [encode(s.hidden[i], self.store_dtype) for i in keep]
         s.ids, s.lines = [s.ids[i] for i in keep], [s.lines[i] for i in keep]
         s.input_ids, s.loss_mask = [s.input_ids[i] for i in keep], [s.loss_mask[i] for i in keep]
-        s.hidden = [h for h, _ in encoded]
-        s.scales = [sc for _, sc in encoded if sc is not None]
+        s.hidden, s.scales = [s.hidden[i] for i in keep], [s.scales[i] for i in keep if s.scales[i] is not None]
         s.tokens = sum(len(x) for x in s.input_ids)
         s.nbytes = s.tokens * self._token_bytes
 

@@ -1,11 +1,13 @@
 """vLLM backend driver: stream samples into vLLM's continuous-batching engine, prefill only.
 
-The driver only submits requests and follows progress; the capture hook and the
-shard writer live in vLLM's worker process (vx/vllm_worker.py), so hidden states never travel
-through vLLM's RPC. Requests are fed as the model tokenizer's own token ids (no re-tokenization),
-`max_tokens=1` (the sampled token is discarded), prefix caching off (a cached prefix would never
-be recomputed, so its states would be missing). A bounded number of requests is in flight; new
-ones join as others finish, so the scheduler stays full and memory stays bounded.
+The engine runs vLLM's `extract_hidden_states` speculative method with vx's KV connector
+(vx/vllm_connector.py): the target layers' residual streams are set as aux outputs at load time
+(so torch.compile and CUDA graphs include them), cached per token as chunks are computed, and
+read once per finished request in the worker process, which writes the shards. The driver only
+submits requests and follows progress; hidden states never travel through vLLM's RPC. Requests
+are the model tokenizer's own token ids (no re-tokenization), `max_tokens=1` (the sampled token
+is discarded), prefix caching off (a cached prefix would never be recomputed, so its states would
+be missing). A bounded number of requests is in flight; new ones join as others finish.
 """
 
 from __future__ import annotations
@@ -18,14 +20,19 @@ from typing import Iterable, Iterator
 from . import faults
 from .dataset import Sample
 from .errors import UsageError, VxError
+from .vllm_contract import check_vllm_contract
 from .vllm_worker import WARMUP_PREFIX
 
 EXTENSION = "vx.vllm_worker.VxWorkerExtension"
+DRAIN_TIMEOUT_S = 600.0  # after the last request finished, the worker must have taken every sample
 
 
 def _cpu_env(tensor_parallel_size: int = 1) -> None:
     # results go to stdout, so vLLM's logs go to stderr
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    # the engine core steps on its own (in its process) until the connector has read every
+    # finished request; the driver waits for that (drain), so it must not run in-process
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     import torch
 
     if not torch.cuda.is_available():
@@ -42,11 +49,12 @@ def _cpu_env(tensor_parallel_size: int = 1) -> None:
 
 
 def request_params(s: Sample):
-    """Prefill only; the sample's id, loss mask and real length ride along for the worker."""
+    """Prefill only; the sample's id, line, loss mask and real length ride along for the worker."""
     from vllm import SamplingParams
 
     return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
-                          extra_args={"vx_id": s.id, "vx_mask": bytes(s.loss_mask), "vx_keep": len(s)})
+                          extra_args={"vx_id": s.id, "vx_line": s.line, "vx_mask": bytes(s.loss_mask),
+                                      "vx_keep": len(s)})
 
 
 def prompt_ids(s: Sample) -> list[int]:
@@ -56,53 +64,80 @@ def prompt_ids(s: Sample) -> list[int]:
     return s.input_ids * 2 if len(s) == 1 else s.input_ids
 
 
-class VllmExtractor:
-    """One vLLM engine with vx's capture hook installed; `run()` can be called repeatedly."""
+def engine_kwargs(model_dir: Path, layer_ids: list[int], *, on_cpu: bool, vision_language: bool = False,
+                  dtype: str = "auto", max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
+                  max_num_seqs: int | None = None, gpu_memory_utilization: float | None = None,
+                  tensor_parallel_size: int = 1, enforce_eager: bool | None = None, seed: int = 0) -> dict:
+    """The engine vx builds: vLLM's extract_hidden_states method + vx's connector + extension."""
+    from .engine_defaults import default_budget
+    from .vllm_connector import CONNECTOR, MODULE
 
-    def __init__(self, model_dir: Path, layer_ids: list[int], *, vision_language: bool = False,
-                 dtype: str = "auto", max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
-                 max_num_seqs: int | None = None, gpu_memory_utilization: float | None = None,
-                 tensor_parallel_size: int = 1, enforce_eager: bool | None = None, seed: int = 0):
-        _cpu_env(tensor_parallel_size)
+    if gpu_memory_utilization is None:  # on CPU it is the fraction of host memory for vLLM
+        gpu_memory_utilization = 0.3 if on_cpu else 0.9
+    if enforce_eager is None:
+        enforce_eager = EAGER_ON_CPU if on_cpu else False
+    kwargs = dict(
+        model=str(model_dir), tokenizer=str(model_dir), dtype="bfloat16" if on_cpu and dtype == "auto" else dtype,
+        enable_prefix_caching=False, gpu_memory_utilization=gpu_memory_utilization,
+        tensor_parallel_size=tensor_parallel_size, worker_extension_cls=EXTENSION, seed=seed,
+        enforce_eager=enforce_eager, enable_chunked_prefill=True,
+        # vLLM's index j is the stream entering layer j (0 = embeddings): our id k is index k + 1;
+        # states come back in ascending order, so the ids must be sorted
+        speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                            "draft_model_config": {"hf_config": {
+                                "eagle_aux_hidden_state_layer_ids": [k + 1 for k in sorted(layer_ids)]}}},
+        kv_transfer_config={"kv_connector": CONNECTOR, "kv_connector_module_path": MODULE,
+                            "kv_role": "kv_producer"},
+    )
+    if not on_cpu:
+        max_num_batched_tokens, max_num_seqs = default_budget(max_num_batched_tokens, max_num_seqs)
+    if max_model_len:
+        kwargs["max_model_len"] = max_model_len
+    if max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = max_num_batched_tokens
+    if max_num_seqs:
+        kwargs["max_num_seqs"] = max_num_seqs
+    if vision_language:
+        kwargs["language_model_only"] = True  # no vision encoder weights, memory or compute
+    return kwargs
+
+
+# Measured on this project's 2-core CPU machines (bench/throughput.py, compiled vs eager): see README.
+EAGER_ON_CPU = True
+
+
+class VllmExtractor:
+    """One vLLM engine with vx's capture connector; `run()` can be called repeatedly."""
+
+    def __init__(self, model_dir: Path, layer_ids: list[int], **options):
+        _cpu_env(options.get("tensor_parallel_size", 1))
         import torch
+
+        from .reaper import Reaper
+
+        if list(layer_ids) != sorted(set(layer_ids)):
+            raise UsageError(f"layer ids must be sorted and distinct, got {layer_ids}")
+        kwargs = engine_kwargs(model_dir, layer_ids, on_cpu=not torch.cuda.is_available(), **options)
+        check_vllm_contract(kwargs)  # before any weight loads: one line naming what is missing
         from vllm import LLM
 
-        on_cpu = not torch.cuda.is_available()
-        if gpu_memory_utilization is None:  # on CPU it is the fraction of host memory for vLLM
-            gpu_memory_utilization = 0.3 if on_cpu else 0.9
-        kwargs = dict(
-            model=str(model_dir), tokenizer=str(model_dir), dtype="bfloat16" if on_cpu and dtype == "auto" else dtype,
-            enable_prefix_caching=False, gpu_memory_utilization=gpu_memory_utilization,
-            tensor_parallel_size=tensor_parallel_size, worker_extension_cls=EXTENSION, seed=seed,
-            # The aux outputs are switched on after load; a graph compiled or captured before that
-            # would not return them (the hook then fails loudly). Eager until the layers are set at
-            # load time (follow-up for GPU speed).
-            enforce_eager=True,
-            enable_chunked_prefill=True,
-        )
-        if max_model_len:
-            kwargs["max_model_len"] = max_model_len
-        if max_num_batched_tokens:
-            kwargs["max_num_batched_tokens"] = max_num_batched_tokens
-        if max_num_seqs:
-            kwargs["max_num_seqs"] = max_num_seqs
-        if vision_language:
-            kwargs["language_model_only"] = True  # no vision encoder weights, memory or compute
         self.layer_ids = list(layer_ids)
+        self.reaper = Reaper.start()  # the engine's processes die with this one, even by SIGKILL
         self.llm = LLM(**kwargs)
         self.engine = self.llm.llm_engine
-        sched = self.llm.llm_engine.vllm_config.scheduler_config
-        self.max_num_seqs = sched.max_num_seqs
-        self.max_num_batched_tokens = sched.max_num_batched_tokens
-        self.max_model_len = self.llm.llm_engine.vllm_config.model_config.max_model_len
-        info = self.llm.collective_rpc("vx_install", args=(self.layer_ids,))
-        self.num_layers = info[0]["num_layers"]
+        config = self.engine.vllm_config
+        self.max_num_seqs = config.scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = config.scheduler_config.max_num_batched_tokens
+        self.max_model_len = config.model_config.max_model_len
+        self.num_layers = config.model_config.get_num_layers(config.parallel_config)
+        self.enforce_eager = config.model_config.enforce_eager
         self.warmup_s = self.warm_up()
 
-    def _params(self):
+    @staticmethod
+    def _warmup_params():
         from vllm import SamplingParams
 
-        return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, extra_args={"vx_warmup": 1})
 
     def warm_up(self) -> float:
         """Dummy prefills covering the token-count buckets the run will see (kernels compile and
@@ -114,7 +149,7 @@ class VllmExtractor:
             n *= 4
         sizes.append(min(self.max_num_batched_tokens, self.max_model_len - 1))
         for i, size in enumerate(sizes):
-            self.engine.add_request(f"{WARMUP_PREFIX}{i}", {"prompt_token_ids": [1] * size}, self._params())
+            self.engine.add_request(f"{WARMUP_PREFIX}{i}", {"prompt_token_ids": [1] * size}, self._warmup_params())
         while self.engine.has_unfinished_requests():
             self.engine.step()
         return time.perf_counter() - t0
@@ -124,14 +159,15 @@ class VllmExtractor:
             on_done=None, on_reject=None,
             max_in_flight: int | None = None) -> dict:
         """Extract every sample into shards under out_dir. Returns the worker's stats."""
-        self.llm.collective_rpc("vx_begin", args=(str(out_dir), shard_meta, shard_bytes, next_shard, hidden_size,
-                                                  store_dtype, max_local_bytes, compress))
+        self.llm.collective_rpc("vx_begin", args=(str(out_dir), shard_meta, shard_bytes, next_shard,
+                                                  len(self.layer_ids), hidden_size, store_dtype, max_local_bytes,
+                                                  compress))
         cap = max_in_flight or 2 * self.max_num_seqs
         in_flight: dict[str, Sample] = {}
         lines: dict[str, int] = {}  # sample id -> dataset line, for rejections reported at the end
         it: Iterator[Sample] = iter(samples)
         exhausted = False
-        seq = 0
+        seq = submitted = 0
         try:
             while True:
                 if not exhausted and len(in_flight) < cap:
@@ -151,6 +187,7 @@ class VllmExtractor:
                     for key, s in new:
                         self.engine.add_request(key, {"prompt_token_ids": prompt_ids(s)}, request_params(s))
                         in_flight[key] = s
+                        submitted += 1
                 if not in_flight:
                     if exhausted:
                         break
@@ -161,20 +198,38 @@ class VllmExtractor:
                         s = in_flight.pop(out.request_id, None)
                         if s is not None and on_done:
                             on_done(s)
+                if submitted % 64 == 0:
+                    self._raise_if_worker_failed()
+            self._drain(submitted)
         finally:
             stats = self.llm.collective_rpc("vx_finish")[0]
         for sample_id, reason in stats.get("rejected", []):
             if on_reject:
                 on_reject(Sample(sample_id, lines.get(sample_id, 0), [], []), reason)
-        if stats.get("incomplete"):
-            raise VxError(f"vLLM finished requests whose states were not fully captured: {stats['incomplete'][:5]}")
         return stats
+
+    def _raise_if_worker_failed(self) -> dict:
+        status = self.llm.collective_rpc("vx_status")[0]
+        if status.get("error"):
+            raise VxError(status["error"])
+        return status
+
+    def _drain(self, submitted: int) -> None:
+        """Every request has finished; the engine core keeps stepping (in its own process) until
+        the connector has read the last ones. Wait until the worker has taken every sample."""
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        while (status := self._raise_if_worker_failed()).get("received", 0) < submitted:
+            if time.monotonic() > deadline:
+                raise VxError(f"the vLLM worker took {status.get('received')} of {submitted} finished samples "
+                              f"in {DRAIN_TIMEOUT_S:.0f} s")
+            time.sleep(0.02)
 
     def close(self) -> None:
         try:
             self.engine.engine_core.shutdown()
         except Exception:
             pass
+        self.reaper.stop()
 
 
 def run_vllm(cfg, model_dir, info, layer_ids, samples, shard_args, bar, t0, errors):
@@ -186,7 +241,7 @@ def run_vllm(cfg, model_dir, info, layer_ids, samples, shard_args, bar, t0, erro
                        max_model_len=cfg.max_length + 1 if cfg.max_length else None,
                        max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
                        gpu_memory_utilization=cfg.gpu_memory_utilization,
-                       tensor_parallel_size=cfg.tensor_parallel_size, enforce_eager=cfg.enforce_eager or None)
+                       tensor_parallel_size=cfg.tensor_parallel_size, enforce_eager=cfg.enforce_eager)
     load_s = time.perf_counter() - t_load - ex.warmup_s + (t_load - t0)
     counts = {"n": 0, "tokens": 0}
 
