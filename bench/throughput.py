@@ -1,12 +1,17 @@
 """Throughput of vx against the HF baselines and a bare vLLM prefill, side by side in one run.
 
-    python bench/throughput.py [--samples 120] [--reps 3]
+    python bench/throughput.py [--samples 120] [--reps 3] [--compile eager,compiled]
 
-Modes, interleaved (A B C D, A B C D, ...) and reported as medians over reps:
-  hf-naive   HF, batch 1, output_hidden_states=True, full forward (the user's original)
-  hf-hooks   vx --backend hf: hooks on target layers, length-sorted token-budget batches, writing on
-  vllm-bare  the same vLLM engine settings and requests, prefill only, no capture, no writing
-  vx-vllm    vx --backend vllm: capture hook + shard writing in the worker
+Modes, interleaved (A B C D E, A B C D E, ...) and reported as medians over reps:
+  hf-naive      HF, batch 1, output_hidden_states=True, full forward (the user's original)
+  hf-hooks      vx --backend hf: hooks on target layers, length-sorted token-budget batches, writing on
+  vllm-bare     vx's engine settings and requests, prefill only, no capture, no writing
+  vllm-builtin  vLLM's own extract_hidden_states + its ExampleHiddenStatesConnector (one safetensors
+                file per request, timed until every file is written), as a user gets it; on CPU
+                the connector's CUDA stream code is swapped for a plain copy (builtin_cpu_connector.py)
+  vx-vllm       vx --backend vllm: the same method + vx's connector, shards written in the worker
+The vLLM modes run once per --compile pass (eager: --enforce-eager; compiled: vLLM's default
+torch.compile, and CUDA graphs on a GPU); ratios compare modes within one pass.
 Data: real public chat conversations (../shared/data/chat) tokenized with the real Qwen3.6
 vocabulary; model: tiny random hybrid GDN with that vocabulary. MFU counts only useful FLOPs
 (layers up to the last target, real tokens) against a bf16 matmul peak measured in the same run.
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shutil
 import statistics
@@ -27,6 +33,9 @@ from datetime import date
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# the built-in contender's CPU connector is loaded by module path in vLLM's engine processes
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent),
+                                                         os.environ.get("PYTHONPATH")]))
 # Small shards, so writing overlaps compute as it does in a long run with 1 GB shards (the last
 # shard's flush is serial; in a 120-sample run a 1 GB shard would make it the whole output).
 SHARD_BYTES = 16 << 20
@@ -70,6 +79,63 @@ def run_vllm_bare(llm, samples):
     return {"computed_tokens": sum(len(s) for s in samples), "bytes": 0}
 
 
+def run_vllm_builtin(llm, samples, out: Path):
+    """generate() returns once the requests finish; the connector's thread pool may still be
+    writing: the states are there once every file's lock is released (what a client waits on)."""
+    import fcntl
+
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": s.input_ids} for s in samples], params, use_tqdm=False)
+    nbytes = 0
+    for o in outs:
+        path = o.kv_transfer_params["hidden_states_path"]
+        with open(path + ".lock") as lock:
+            fcntl.flock(lock, fcntl.LOCK_SH)
+        nbytes += os.path.getsize(path)
+        os.remove(path)
+        os.remove(path + ".lock")
+    return {"computed_tokens": sum(len(s) for s in samples), "bytes": nbytes}
+
+
+def vllm_engines(modes, model_dir, layer_ids, eager: bool, storage: Path):
+    """The vLLM contenders with one set of engine settings (vx's), differing only in capture."""
+    import torch
+    from vllm import LLM
+
+    from vx.vllm_backend import VllmExtractor, engine_kwargs
+
+    on_cpu = not torch.cuda.is_available()
+    util = 0.08 if on_cpu else 0.25
+    kw = engine_kwargs(model_dir, layer_ids, on_cpu=on_cpu, enforce_eager=eager, gpu_memory_utilization=util)
+    plain = {k: v for k, v in kw.items() if k not in ("speculative_config", "kv_transfer_config", "worker_extension_cls")}
+    engines = {}
+    if "vllm-bare" in modes:
+        engines["vllm-bare"] = LLM(**plain)
+        run_vllm_bare(engines["vllm-bare"], samples_for_warmup)
+    if "vllm-builtin" in modes:
+        connector = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+                     "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
+        if on_cpu:
+            connector.update(kv_connector="CpuExampleHiddenStatesConnector",
+                             kv_connector_module_path="builtin_cpu_connector")
+        engines["vllm-builtin"] = LLM(**dict(plain, speculative_config=kw["speculative_config"],
+                                             kv_transfer_config=connector))
+        run_vllm_builtin(engines["vllm-builtin"], samples_for_warmup, storage)
+    if "vx-vllm" in modes:
+        engines["vx-vllm"] = VllmExtractor(model_dir, layer_ids, enforce_eager=eager, gpu_memory_utilization=util)
+    return engines
+
+
+def close_engines(engines) -> None:
+    for name, eng in engines.items():
+        if name == "vx-vllm":
+            eng.close()
+        else:
+            eng.llm_engine.engine_core.shutdown()
+
+
 def run_vx_vllm(ex, samples, hidden, out: Path):
     stats = ex.run(samples, out, {"model": "bench"}, SHARD_BYTES, 0, hidden, "bf16")
     return {"computed_tokens": sum(len(s) for s in samples), "bytes": stats.get("bytes", 0)}
@@ -108,7 +174,8 @@ def main(argv=None):
     ap.add_argument("--samples", type=int, default=120)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--layers", type=int, default=8, help="decoder layers of the bench model")
-    ap.add_argument("--modes", default="hf-naive,hf-hooks,vllm-bare,vx-vllm")
+    ap.add_argument("--modes", default="hf-naive,hf-hooks,vllm-bare,vllm-builtin,vx-vllm")
+    ap.add_argument("--compile", default="eager,compiled", help="vLLM passes: eager, compiled, or both")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--no-rss-scaling", dest="rss_scaling", action="store_false",
                     help="skip the N vs 10N samples peak-RSS check of vx-vllm")
@@ -131,46 +198,50 @@ def main(argv=None):
     peak = matmul_peak_flops()
     print(f"bf16 matmul peak: {peak / 1e12:.3f} TFLOP/s", file=sys.stderr)
 
+    global samples_for_warmup
+    samples_for_warmup = samples[:8]
     model = load_hf_model(model_dir, "bfloat16") if {"hf-naive", "hf-hooks"} & set(modes) else None
-    llm = ex = None
-    if "vllm-bare" in modes or "vx-vllm" in modes:
-        from vllm import LLM
-
-        from vx.vllm_backend import VllmExtractor, _cpu_env
+    vllm_modes = [m for m in modes if m in ("vllm-bare", "vllm-builtin", "vx-vllm")]
+    if vllm_modes:
+        from vx.vllm_backend import _cpu_env
 
         _cpu_env()
-        if "vllm-bare" in modes:
-            llm = LLM(model=str(model_dir), dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False,
-                      gpu_memory_utilization=0.1 if not torch.cuda.is_available() else 0.4, seed=0)
-            run_vllm_bare(llm, samples[:8])  # warm-up, like vx's
-        if "vx-vllm" in modes:
-            ex = VllmExtractor(model_dir, layer_ids,
-                               gpu_memory_utilization=0.1 if not torch.cuda.is_available() else 0.4)
     setup_s = time.perf_counter() - t0
 
-    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    runs: dict[str, list[dict]] = {}
+    scaling = None
     tmp = Path(tempfile.mkdtemp(prefix="vx-bench-"))
+    passes = args.compile.split(",") if vllm_modes else ["eager"]
     try:
-        for rep in range(args.reps):
-            for m in modes:
-                out = tmp / f"{m}-{rep}"
-                out.mkdir()
-                if m == "hf-naive":
-                    r = timed(run_hf_naive, model, samples, layer_ids)
-                elif m == "hf-hooks":
-                    r = timed(run_hf_hooks, model, samples, layer_ids, info.hidden_size, out)
-                elif m == "vllm-bare":
-                    r = timed(run_vllm_bare, llm, samples)
-                else:
-                    r = timed(run_vx_vllm, ex, samples, info.hidden_size, out)
-                runs[m].append(r)
-                shutil.rmtree(out)
-                print(f"rep {rep} {m:10s} {r['wall_s']:7.2f}s", file=sys.stderr)
-        scaling = rss_scaling(ex, samples, info.hidden_size, tmp) if ex is not None and args.rss_scaling else None
+        for i, compile_mode in enumerate(passes):
+            engines = vllm_engines(vllm_modes, model_dir, layer_ids, compile_mode == "eager", tmp / "builtin") \
+                if vllm_modes else {}
+            pass_modes = [m for m in modes if m in engines or (i == 0 and m.startswith("hf-"))]
+            try:
+                for rep in range(args.reps):
+                    for m in pass_modes:
+                        key = m if m.startswith("hf-") else f"{m}/{compile_mode}"
+                        out = tmp / f"{m}-{rep}"
+                        out.mkdir()
+                        if m == "hf-naive":
+                            r = timed(run_hf_naive, model, samples, layer_ids)
+                        elif m == "hf-hooks":
+                            r = timed(run_hf_hooks, model, samples, layer_ids, info.hidden_size, out)
+                        elif m == "vllm-bare":
+                            r = timed(run_vllm_bare, engines[m], samples)
+                        elif m == "vllm-builtin":
+                            r = timed(run_vllm_builtin, engines[m], samples, out)
+                        else:
+                            r = timed(run_vx_vllm, engines[m], samples, info.hidden_size, out)
+                        runs.setdefault(key, []).append(r)
+                        shutil.rmtree(out)
+                        print(f"rep {rep} {key:22s} {r['wall_s']:7.2f}s", file=sys.stderr)
+                if "vx-vllm" in engines and args.rss_scaling and scaling is None:
+                    scaling = rss_scaling(engines["vx-vllm"], samples, info.hidden_size, tmp)
+            finally:
+                close_engines(engines)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        if ex is not None:
-            ex.close()
 
     flops = useful_flops(__import__("transformers").AutoConfig.from_pretrained(model_dir), max(layer_ids), lengths)
     tokens = sum(lengths)
@@ -186,9 +257,11 @@ def main(argv=None):
             "mfu": flops / wall / peak, "wall_s_runs": [round(r["wall_s"], 3) for r in rs],
         }
     for m in table:
-        for base in ("hf-naive", "vllm-bare"):
-            if base in table:
-                table[m][f"x_{base}"] = table[m]["samples_per_s"] / table[base]["samples_per_s"]
+        suffix = m[m.index("/"):] if "/" in m else "/" + passes[0]
+        for base in ("hf-naive", "vllm-bare", "vllm-builtin"):
+            ref = base if base.startswith("hf-") else base + suffix
+            if ref in table:
+                table[m][f"x_{base}"] = table[m]["samples_per_s"] / table[ref]["samples_per_s"]
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu-{platform.machine()}"
     result = {"date": date.today().isoformat(), "device": device, "threads": torch.get_num_threads(),
@@ -206,13 +279,15 @@ def main(argv=None):
 
 
 def print_table(result) -> None:
-    cols = ["samples/s", "tokens/s", "pad eff", "RSS +GB", "out MB/s", "MFU", "x hf-naive", "x vllm-bare"]
-    print(f"{'mode':10s} " + " ".join(f"{c:>11s}" for c in cols))
+    cols = ["samples/s", "tokens/s", "pad eff", "RSS +GB", "out MB/s", "MFU", "x hf-naive", "x vllm-bare",
+            "x builtin"]
+    print(f"{'mode':22s} " + " ".join(f"{c:>11s}" for c in cols))
     for m, r in result["modes"].items():
         vals = [f"{r['samples_per_s']:.2f}", f"{r['tokens_per_s']:.0f}", f"{r['padding_efficiency']:.3f}",
                 f"{r['rss_growth_gb']:.2f}", f"{r['output_mb_per_s']:.1f}", f"{r['mfu'] * 100:.2f}%",
-                f"{r.get('x_hf-naive', float('nan')):.2f}", f"{r.get('x_vllm-bare', float('nan')):.3f}"]
-        print(f"{m:10s} " + " ".join(f"{v:>11s}" for v in vals))
+                f"{r.get('x_hf-naive', float('nan')):.2f}", f"{r.get('x_vllm-bare', float('nan')):.3f}",
+                f"{r.get('x_vllm-builtin', float('nan')):.3f}"]
+        print(f"{m:22s} " + " ".join(f"{v:>11s}" for v in vals))
     if result.get("rss_scaling_vx_vllm"):
         print("vx-vllm peak RSS growth by dataset size:", json.dumps(result["rss_scaling_vx_vllm"]))
 

@@ -60,14 +60,16 @@ def assert_matches(ds, samples, reference, cos_min=COS_MIN, rel_max=REL_MAX):
 
 @pytest.fixture(scope="module")
 def qwen35_engine(tiny_model):
+    """Compiled (vLLM's torch.compile, as on a GPU by default): the aux layers are set at load time,
+    so the compiled graph returns them. The other engines here run eager (the CPU default)."""
     eng = VllmExtractor(tiny_model, list(range(8)), max_num_batched_tokens=MAX_BATCHED, max_num_seqs=MAX_SEQS,
-                        gpu_memory_utilization=0.1)
+                        gpu_memory_utilization=0.1, enforce_eager=False)
     yield eng
     eng.close()
 
 
 def test_qwen3_5_hybrid_gdn_matches_hf_under_continuous_batching(qwen35_engine, tiny_model, tmp_path):
-    assert qwen35_engine.warmup_s > 0
+    assert qwen35_engine.warmup_s > 0 and qwen35_engine.enforce_eager is False
     samples = mixed_samples(500)
     assert len(samples) > 4 * MAX_SEQS and max(map(len, samples)) > MAX_BATCHED
     ds = extract(qwen35_engine, samples, tmp_path, 256)

@@ -37,10 +37,10 @@ class MemoryPlan:
 def plan_memory(*, gpu_bytes: float, utilization: float, weight_bytes: float, activation_bytes: float,
                 full_attention_layers: int, kv_heads: int, head_dim: int, gdn_layers: int, gdn_k_heads: int,
                 gdn_v_heads: int, gdn_k_dim: int, gdn_v_dim: int, conv_kernel: int, capture_layers: int,
-                hidden: int, max_num_seqs: int, dtype_bytes: int = 2) -> MemoryPlan:
+                hidden: int, max_num_seqs: int, dtype_bytes: int = 2, ssm_state_bytes: int = 4) -> MemoryPlan:
     kv = full_attention_layers * 2 * kv_heads * head_dim * dtype_bytes
     states = capture_layers * hidden * dtype_bytes
-    recurrent = gdn_v_heads * gdn_k_dim * gdn_v_dim * dtype_bytes
+    recurrent = gdn_v_heads * gdn_k_dim * gdn_v_dim * ssm_state_bytes  # vLLM keeps it in fp32 for Qwen3.5
     conv = (2 * gdn_k_heads * gdn_k_dim + gdn_v_heads * gdn_v_dim) * (conv_kernel - 1) * dtype_bytes
     gdn = gdn_layers * (recurrent + conv) * 2
     free = gpu_bytes * utilization - weight_bytes - activation_bytes

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import UsageError
-from .shards import ERRORS, MANIFEST, RUN_META, read_manifest
+from .shards import ERRORS, MANIFEST, RUN_META, live_writer, read_manifest
 
 # Keys of vx.json that must match for a rerun to continue the same output.
 IDENTITY_KEYS = ("model_fingerprint", "layer_ids", "store_dtype", "hidden_size")
@@ -111,8 +111,13 @@ def output_lock(out: Path):
 
 
 def prepare_output(out: Path, meta: dict, overwrite: bool) -> ResumeState:
-    """Create `out` or continue it. A different model/layers/dtype is refused unless overwrite."""
+    """Create `out` or continue it. A different model/layers/dtype is refused unless overwrite.
+    A directory some live process still writes into (an engine whose driver was killed) is
+    refused before anything in it is touched."""
     out = Path(out)
+    holder = live_writer(out) if out.exists() else None
+    if holder:
+        raise UsageError(f"{out} is still being written by {holder}; stop that process first")
     if overwrite and out.exists():
         for name in [MANIFEST, ERRORS, RUN_META]:
             (out / name).unlink(missing_ok=True)

@@ -81,6 +81,26 @@ def watch(driver: int) -> None:
         return
 
 
+DRIVER_ENV = "VX_DRIVER"  # "pid:start time" of the driver, inherited by every engine process
+
+
+def mark_driver() -> None:
+    """Called by the driver before it starts the engine: its processes inherit who the driver is."""
+    os.environ[DRIVER_ENV] = f"{os.getpid()}:{_stat(os.getpid())[2]}"
+
+
+def require_driver() -> None:
+    """In an engine process, before a commit: if the driver is gone, exit instead of committing
+    (the reaper kills this process within a tick anyway; this closes that window)."""
+    mark = os.environ.get(DRIVER_ENV)
+    if not mark:
+        return
+    pid, start = map(int, mark.split(":"))
+    st = _stat(pid)
+    if st is None or st[1] == "Z" or st[2] != start:
+        os._exit(1)
+
+
 class Reaper:
     """The driver's handle on its watcher."""
 
@@ -89,6 +109,7 @@ class Reaper:
 
     @classmethod
     def start(cls) -> Reaper:
+        mark_driver()
         proc = subprocess.Popen([sys.executable, "-m", "vx.reaper", str(os.getpid())], stdin=subprocess.PIPE,
                                 start_new_session=True, close_fds=True)
         return cls(proc)

@@ -173,8 +173,9 @@ class ShardWriter:
 
     def __init__(self, out_dir: Path, metadata: dict[str, str], shard_bytes: int, next_index: int,
                  layer_count: int, hidden_size: int, store_dtype: str, on_reject=None,
-                 max_local_bytes: int | None = None, compress: str | None = None):
+                 max_local_bytes: int | None = None, compress: str | None = None, guard=None):
         self.out_dir = Path(out_dir)
+        self.guard = guard  # called before each commit; the vLLM worker's exits if its driver is gone
         self.metadata = metadata
         self.shard_bytes = shard_bytes
         self.layer_count = layer_count
@@ -333,6 +334,8 @@ class ShardWriter:
         os.rename(tmp, self.out_dir / name)
         fsync_dir(self.out_dir)
         faults.point("before-manifest")
+        if self.guard is not None:
+            self.guard()
         record = {"shard": name, "sample_ids": s.ids, "num_samples": len(s.ids), "num_tokens": s.tokens,
                   "bytes": nbytes, "sha256": sha}
         with open(self.out_dir / MANIFEST, "a") as f:

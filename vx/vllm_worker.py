@@ -22,6 +22,7 @@ class VxWorkerExtension:
                  compress: str | None = None, ring_bytes: int = 1 << 28) -> None:
         """Open a ShardWriter and attach it to the capture connector (rank 0 only)."""
         from .capture import CaptureSink
+        from .reaper import require_driver
         from .shards import ShardWriter
         from .vllm_connector import worker_connector
 
@@ -31,7 +32,7 @@ class VxWorkerExtension:
         if conn.sink is not None:
             raise RuntimeError("vx: a capture run is already open in this worker")
         writer = ShardWriter(Path(out_dir), shard_meta, shard_bytes, next_shard, layer_count, hidden_size,
-                             store_dtype, max_local_bytes=max_local_bytes, compress=compress)
+                             store_dtype, max_local_bytes=max_local_bytes, compress=compress, guard=require_driver)
         conn.sink = CaptureSink(writer, store_dtype, conn.kv_cache.device, ring_bytes=ring_bytes)
 
     def vx_status(self) -> dict:

@@ -1,10 +1,12 @@
 """The `vx` command. One place maps errors to exit codes: 0 ok, 1 runtime failure, 2 usage error,
-130 interrupted. User errors print one line on stderr, never a traceback (set VX_DEBUG=1 for one)."""
+130 interrupted (Ctrl-C), 143 terminated (SIGTERM). User errors print one line on stderr, never a traceback (set VX_DEBUG=1 for one)."""
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 
 import click
 import typer
@@ -31,8 +33,18 @@ def main(argv: list[str] | None = None) -> int:
     return run_guarded(lambda: command.main(args=argv, prog_name="vx", standalone_mode=False))
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what SLURM, Kubernetes and Ray send on preemption): the same clean stop as Ctrl-C."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
 def run_guarded(body) -> int:
     """Run body() (the CLI, or a partition worker) and map what it raises to an exit code."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         rc = body()
         return rc if isinstance(rc, int) else 0
@@ -44,9 +56,9 @@ def run_guarded(body) -> int:
     except click.exceptions.Abort:
         print("vx: aborted", file=sys.stderr)
         return 130
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         print("vx: interrupted; rerun the same command to continue", file=sys.stderr)
-        return 130
+        return 143 if isinstance(e, Terminated) else 130
     except VxError as e:
         if os.environ.get("VX_DEBUG"):
             raise
