@@ -201,6 +201,10 @@ class VllmExtractor:
                 if submitted % 64 == 0:
                     self._raise_if_worker_failed()
             self._drain(submitted)
+        except BaseException:  # interrupted or failed: stop computing what nobody will take
+            if in_flight:
+                self.engine.abort_request(list(in_flight))
+            raise
         finally:
             stats = self.llm.collective_rpc("vx_finish")[0]
         for sample_id, reason in stats.get("rejected", []):

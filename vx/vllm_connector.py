@@ -117,9 +117,10 @@ class VxCaptureConnector(KVConnectorBase_V1, SupportsHMA):
         if self.rank0 and self.has_connector_metadata():
             meta = self._get_connector_metadata()
             if isinstance(meta, VxConnectorMetadata) and meta.finished:
-                if self.sink is None:
-                    raise RuntimeError(f"vx: {len(meta.finished)} requests finished with no capture run open")
-                event = self.sink.submit(self.kv_cache, meta.finished, self._block_size)
+                # No run open: requests that finished after an interrupted run closed. Nothing
+                # claims them committed (the driver counts what the worker took), so they are
+                # redone by the rerun; their blocks are freed.
+                event = self.sink.submit(self.kv_cache, meta.finished, self._block_size) if self.sink else None
                 for f in meta.finished:
                     self._reading[f.req_id] = event
         done = {r for r, ev in self._reading.items() if ev is None or ev.query()}

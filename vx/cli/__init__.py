@@ -37,8 +37,19 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM (what SLURM, Kubernetes and Ray send on preemption): the same clean stop as Ctrl-C."""
 
 
+_terminated = False
+
+
 def _on_sigterm(signum, frame):
+    global _terminated
+    _terminated = True
     raise Terminated()
+
+
+def _interrupted() -> int:
+    """Ctrl-C or SIGTERM, however click/typer wrapped it on the way up."""
+    print("vx: interrupted; rerun the same command to continue", file=sys.stderr)
+    return 143 if _terminated else 130
 
 
 def run_guarded(body) -> int:
@@ -47,18 +58,18 @@ def run_guarded(body) -> int:
         signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         rc = body()
+        if rc == 130:  # typer (standalone_mode=False) returns Ctrl-C as exit code 130
+            return _interrupted()
         return rc if isinstance(rc, int) else 0
-    except click.exceptions.Exit as e:
-        return e.exit_code
+    except (click.exceptions.Exit, typer.Exit) as e:
+        return _interrupted() if e.exit_code == 130 else e.exit_code  # typer turns Ctrl-C into Exit(130)
     except click.ClickException as e:
         e.show()
         return e.exit_code
-    except click.exceptions.Abort:
-        print("vx: aborted", file=sys.stderr)
-        return 130
-    except KeyboardInterrupt as e:
-        print("vx: interrupted; rerun the same command to continue", file=sys.stderr)
-        return 143 if isinstance(e, Terminated) else 130
+    except (click.exceptions.Abort, typer.Abort):  # click turns Ctrl-C into Abort
+        return _interrupted()
+    except KeyboardInterrupt:
+        return _interrupted()
     except VxError as e:
         if os.environ.get("VX_DEBUG"):
             raise
