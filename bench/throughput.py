@@ -99,7 +99,8 @@ def run_vllm_builtin(llm, samples, out: Path):
     return {"computed_tokens": sum(len(s) for s in samples), "bytes": nbytes}
 
 
-def vllm_engines(modes, model_dir, layer_ids, eager: bool, storage: Path):
+def vllm_engines(modes, model_dir, layer_ids, eager: bool, storage: Path, warmup, util: float | None = None,
+                 overrides: dict | None = None):
     """The vLLM contenders with one set of engine settings (vx's), differing only in capture."""
     import torch
     from vllm import LLM
@@ -107,13 +108,14 @@ def vllm_engines(modes, model_dir, layer_ids, eager: bool, storage: Path):
     from vx.vllm_backend import VllmExtractor, engine_kwargs
 
     on_cpu = not torch.cuda.is_available()
-    util = 0.08 if on_cpu else 0.25
-    kw = engine_kwargs(model_dir, layer_ids, on_cpu=on_cpu, enforce_eager=eager, gpu_memory_utilization=util)
+    util = util or (0.08 if on_cpu else 0.9 / len(modes))
+    kw = engine_kwargs(model_dir, layer_ids, on_cpu=on_cpu, enforce_eager=eager, gpu_memory_utilization=util,
+                       overrides=overrides)
     plain = {k: v for k, v in kw.items() if k not in ("speculative_config", "kv_transfer_config", "worker_extension_cls")}
     engines = {}
     if "vllm-bare" in modes:
         engines["vllm-bare"] = LLM(**plain)
-        run_vllm_bare(engines["vllm-bare"], samples_for_warmup)
+        run_vllm_bare(engines["vllm-bare"], warmup)
     if "vllm-builtin" in modes:
         connector = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
                      "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
@@ -122,9 +124,10 @@ def vllm_engines(modes, model_dir, layer_ids, eager: bool, storage: Path):
                              kv_connector_module_path="builtin_cpu_connector")
         engines["vllm-builtin"] = LLM(**dict(plain, speculative_config=kw["speculative_config"],
                                              kv_transfer_config=connector))
-        run_vllm_builtin(engines["vllm-builtin"], samples_for_warmup, storage)
+        run_vllm_builtin(engines["vllm-builtin"], warmup, storage)
     if "vx-vllm" in modes:
-        engines["vx-vllm"] = VllmExtractor(model_dir, layer_ids, enforce_eager=eager, gpu_memory_utilization=util)
+        engines["vx-vllm"] = VllmExtractor(model_dir, layer_ids, enforce_eager=eager, gpu_memory_utilization=util,
+                                           overrides=overrides)
     return engines
 
 
@@ -198,8 +201,6 @@ def main(argv=None):
     peak = matmul_peak_flops()
     print(f"bf16 matmul peak: {peak / 1e12:.3f} TFLOP/s", file=sys.stderr)
 
-    global samples_for_warmup
-    samples_for_warmup = samples[:8]
     model = load_hf_model(model_dir, "bfloat16") if {"hf-naive", "hf-hooks"} & set(modes) else None
     vllm_modes = [m for m in modes if m in ("vllm-bare", "vllm-builtin", "vx-vllm")]
     if vllm_modes:
@@ -214,8 +215,8 @@ def main(argv=None):
     passes = args.compile.split(",") if vllm_modes else ["eager"]
     try:
         for i, compile_mode in enumerate(passes):
-            engines = vllm_engines(vllm_modes, model_dir, layer_ids, compile_mode == "eager", tmp / "builtin") \
-                if vllm_modes else {}
+            engines = vllm_engines(vllm_modes, model_dir, layer_ids, compile_mode == "eager", tmp / "builtin",
+                                   samples[:8]) if vllm_modes else {}
             pass_modes = [m for m in modes if m in engines or (i == 0 and m.startswith("hf-"))]
             try:
                 for rep in range(args.reps):

@@ -25,6 +25,7 @@ from .vllm_worker import WARMUP_PREFIX
 
 EXTENSION = "vx.vllm_worker.VxWorkerExtension"
 DRAIN_TIMEOUT_S = 600.0  # after the last request finished, the worker must have taken every sample
+STATUS_EVERY_S = 2.0     # how often the driver asks the worker whether its writer failed
 
 
 def _cpu_env(tensor_parallel_size: int = 1) -> None:
@@ -67,8 +68,10 @@ def prompt_ids(s: Sample) -> list[int]:
 def engine_kwargs(model_dir: Path, layer_ids: list[int], *, on_cpu: bool, vision_language: bool = False,
                   dtype: str = "auto", max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                   max_num_seqs: int | None = None, gpu_memory_utilization: float | None = None,
-                  tensor_parallel_size: int = 1, enforce_eager: bool | None = None, seed: int = 0) -> dict:
-    """The engine vx builds: vLLM's extract_hidden_states method + vx's connector + extension."""
+                  tensor_parallel_size: int = 1, enforce_eager: bool | None = None, seed: int = 0,
+                  overrides: dict | None = None) -> dict:
+    """The engine vx builds: vLLM's extract_hidden_states method + vx's connector + extension.
+    `overrides` are further engine arguments (bench: load_format="dummy" for random weights)."""
     from .engine_defaults import default_budget
     from .vllm_connector import CONNECTOR, MODULE
 
@@ -99,7 +102,7 @@ def engine_kwargs(model_dir: Path, layer_ids: list[int], *, on_cpu: bool, vision
         kwargs["max_num_seqs"] = max_num_seqs
     if vision_language:
         kwargs["language_model_only"] = True  # no vision encoder weights, memory or compute
-    return kwargs
+    return dict(kwargs, **(overrides or {}))
 
 
 # Measured on this project's 2-core CPU machines (bench/throughput.py, compiled vs eager): see README.
@@ -129,7 +132,6 @@ class VllmExtractor:
         self.max_num_seqs = config.scheduler_config.max_num_seqs
         self.max_num_batched_tokens = config.scheduler_config.max_num_batched_tokens
         self.max_model_len = config.model_config.max_model_len
-        self.num_layers = config.model_config.get_num_layers(config.parallel_config)
         self.enforce_eager = config.model_config.enforce_eager
         self.warmup_s = self.warm_up()
 
@@ -168,6 +170,7 @@ class VllmExtractor:
         it: Iterator[Sample] = iter(samples)
         exhausted = False
         seq = submitted = 0
+        next_status = time.monotonic() + STATUS_EVERY_S
         try:
             while True:
                 if not exhausted and len(in_flight) < cap:
@@ -198,8 +201,9 @@ class VllmExtractor:
                         s = in_flight.pop(out.request_id, None)
                         if s is not None and on_done:
                             on_done(s)
-                if submitted % 64 == 0:
+                if time.monotonic() >= next_status:  # a failed writer (disk full) stops the run early
                     self._raise_if_worker_failed()
+                    next_status = time.monotonic() + STATUS_EVERY_S
             self._drain(submitted)
         except BaseException:  # interrupted or failed: stop computing what nobody will take
             if in_flight:
