@@ -10,8 +10,9 @@ one list of cache slots. On a GPU it runs, on a side stream that waits for the c
   one async copy into a slot of a pinned ring, and an event.
 The intake thread waits for the event, splits the batch into samples, rejects those whose flags
 fail, copies the rest out of the ring (releasing the slot) and hands them to the ShardWriter,
-whose own thread writes shards. On CPU the gather is a plain copy and the rest runs in the intake
-thread, off the forward's time. Hidden states never cross vLLM's RPC.
+whose own thread writes shards. On CPU the same steps run inline on the forward's own threads (a
+second thread's torch ops would start a second OpenMP team on the same cores and slow the
+forward more than the work itself costs). Hidden states never cross vLLM's RPC.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .storage import STORE_DTYPES, encode_on, flags_problem, token_flags
+from .storage import STORE_DTYPES, flags_problem, prepare
 
 ALIGN = 64  # bytes; every view carved out of a ring slot starts aligned
 
@@ -125,7 +126,6 @@ class _Batch:
     scales: torch.Tensor | None = None  # [sum T, L] fp8 only
     finite: torch.Tensor | None = None  # [sum T]
     zero: torch.Tensor | None = None    # [sum T, L]
-    raw: torch.Tensor | None = None     # CPU: gathered rows, prepared in the intake thread
     event: object = None                # CUDA event: the copy into the ring slot is done
     token: object = None                # ring slot to release
 
@@ -157,8 +157,10 @@ class CaptureSink:
             return None
         slots = slots_of(finished, block_size)
         batch = _Batch(finished)
-        if not self.cuda:
-            batch.raw = gather_rows(kv_cache, slots)  # a copy: the blocks are free once it returns
+        if not self.cuda:  # the same device work, inline: on the forward's own threads, since a
+            # second thread's torch ops would start another OpenMP team on the same cores
+            rows = gather_rows(kv_cache, slots)  # a copy: the blocks are free once it returns
+            batch.stored, batch.scales, batch.finite, batch.zero = prepare(rows, self.store_dtype)
             self._queue.put(batch)
             return None
         stream = self._stream
@@ -167,8 +169,7 @@ class CaptureSink:
             rows = gather_rows(kv_cache, slots.pin_memory().to(kv_cache.device, non_blocking=True))
             gathered = torch.cuda.Event()
             gathered.record(stream)
-            stored, scales = encode_on(rows, self.store_dtype)  # [T, L, H], [T, L] | None
-            finite, zero = token_flags(rows)
+            stored, scales, finite, zero = prepare(rows, self.store_dtype)  # [T, L, H], [T, L] | None, [T], [T, L]
             t, layers, hidden = rows.shape
             shapes = [((t, layers, hidden), STORE_DTYPES[self.store_dtype]), ((t,), torch.bool),
                       ((t, layers), torch.bool)] + ([((t, layers), torch.float32)] if scales is not None else [])
@@ -201,10 +202,7 @@ class CaptureSink:
             self._ring.release(batch.token)
 
     def _take(self, b: _Batch) -> None:
-        if b.raw is not None:  # CPU: the device work, here
-            b.stored, b.scales = encode_on(b.raw, self.store_dtype)
-            b.finite, b.zero = token_flags(b.raw)
-        else:
+        if b.event is not None:  # GPU: wait for the copy into the ring, then copy out of it
             b.event.synchronize()
             # out of the ring at once (one memcpy per batch), so the slot is reused next step
             b.stored = b.stored.clone()

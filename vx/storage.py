@@ -19,11 +19,15 @@ class SampleRejected(ValueError):
     """A sample's states failed a check; it is recorded in errors.jsonl, never committed."""
 
 
-def token_flags(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def token_flags(hidden: torch.Tensor, lo_hi: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token facts the checks need, computed where the states are (on the GPU before the copy
     to the host, so a batch of samples is checked with a few kernels and only T x (L+1) bools
-    cross PCIe). hidden: [T, L, H] -> finite [T] (every value finite), zero [T, L] (all zero)."""
-    return torch.isfinite(hidden).all(dim=2).all(dim=1), (hidden == 0).all(dim=2)
+    cross PCIe). hidden: [T, L, H] -> finite [T] (every value finite), zero [T, L] (all zero).
+    One min/max pass (NaN and Inf propagate into it), no [T, L, H] temporaries."""
+    lo, hi = lo_hi if lo_hi is not None else torch.aminmax(hidden, dim=2)  # [T, L] each
+    finite = torch.isfinite(lo).logical_and_(torch.isfinite(hi)).all(dim=1)
+    return finite, (lo == 0).logical_and_(hi == 0)
 
 
 def flags_problem(finite: torch.Tensor, zero: torch.Tensor) -> str | None:
@@ -50,16 +54,25 @@ def encode(hidden: torch.Tensor, store_dtype: str) -> tuple[torch.Tensor, torch.
     return encode_on(hidden.to("cpu"), store_dtype)
 
 
-def encode_on(hidden: torch.Tensor, store_dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+def encode_on(hidden: torch.Tensor, store_dtype: str,
+              lo_hi: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """encode() on the tensor's own device: on a GPU, fp8 quantisation runs there and halves the
     bytes that cross PCIe. Per-token scales make it row-local, so a batch of samples is encoded
-    at once and split afterwards."""
+    at once and split afterwards. lo_hi: the [T, L] min and max, if already computed."""
     if store_dtype != "fp8":
         return hidden.to(STORE_DTYPES[store_dtype]).contiguous(), None
-    x = hidden.to(torch.float32)
-    scales = (x.abs().amax(dim=2) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)  # [T, L]
-    q = (x / scales.unsqueeze(2)).to(torch.float8_e4m3fn)
+    lo, hi = lo_hi if lo_hi is not None else torch.aminmax(hidden, dim=2)
+    amax = torch.maximum(hi.float(), lo.float().neg())  # [T, L]
+    scales = (amax / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    q = (hidden.to(torch.float32) / scales.unsqueeze(2)).to(torch.float8_e4m3fn)
     return q.contiguous(), scales.contiguous()
+
+
+def prepare(hidden: torch.Tensor, store_dtype: str):
+    """Checks' token flags and the stored encoding from one min/max pass: (stored, scales,
+    finite [T], zero [T, L]). hidden: [T, L, H] on any device."""
+    lo_hi = torch.aminmax(hidden, dim=2)
+    return (*encode_on(hidden, store_dtype, lo_hi), *token_flags(hidden, lo_hi))
 
 
 def decode(stored: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:

@@ -26,6 +26,9 @@ from .vllm_worker import WARMUP_PREFIX
 EXTENSION = "vx.vllm_worker.VxWorkerExtension"
 DRAIN_TIMEOUT_S = 600.0  # after the last request finished, the worker must have taken every sample
 STATUS_EVERY_S = 2.0     # how often the driver asks the worker whether its writer failed
+# CPU default: eager. Compiled is no faster on CPU (bench/throughput.py, README Performance) and
+# starts ~60 s slower cold; on a GPU vLLM's default (compiled, CUDA graphs) is used.
+EAGER_ON_CPU = True
 
 
 def _cpu_env(tensor_parallel_size: int = 1) -> None:
@@ -103,10 +106,6 @@ def engine_kwargs(model_dir: Path, layer_ids: list[int], *, on_cpu: bool, vision
     if vision_language:
         kwargs["language_model_only"] = True  # no vision encoder weights, memory or compute
     return dict(kwargs, **(overrides or {}))
-
-
-# Measured on this project's 2-core CPU machines (bench/throughput.py, compiled vs eager): see README.
-EAGER_ON_CPU = True
 
 
 class VllmExtractor:
