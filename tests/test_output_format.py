@@ -7,7 +7,8 @@ from safetensors import safe_open
 
 import vx
 from vx.output import prepare_output
-from vx.shards import MANIFEST, ShardWriter, read_manifest
+from vx.shard_file import MANIFEST, read_manifest
+from vx.shards import ShardWriter
 
 L, H = 3, 16
 META = {"model": "m", "model_fingerprint": "f", "layer_ids": [0, 1, 2], "store_dtype": "bf16", "hidden_size": H}

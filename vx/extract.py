@@ -17,7 +17,8 @@ from .layers import check_layer_ids, default_layer_ids
 from .model import load_tokenizer, model_info, resolve_model
 from .output import ErrorLog, claim_root, clear_partitions, committed_ids_under, output_lock, prepare_output
 from .progress import RunProgress
-from .shards import RUN_META, ShardWriter
+from .shard_file import RUN_META
+from .shards import ShardWriter
 
 
 @dataclass

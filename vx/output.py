@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import UsageError
-from .shards import ERRORS, MANIFEST, RUN_META, live_writer, read_manifest
+from .shard_file import ERRORS, MANIFEST, RUN_META, read_manifest
+from .shards import live_writer
 
 # Keys of vx.json that must match for a rerun to continue the same output.
 IDENTITY_KEYS = ("model_fingerprint", "layer_ids", "store_dtype", "hidden_size")

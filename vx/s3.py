@@ -23,7 +23,7 @@ from pathlib import Path
 
 from . import faults
 from .errors import UsageError, VxError
-from .shards import ERRORS, MANIFEST, RUN_META
+from .shard_file import ERRORS, MANIFEST, RUN_META
 
 MANIFEST_FLUSH_S = 5.0
 UPLOAD_FAILED = ".vx-upload-failed"  # written by the uploader; a waiting writer stops on it

@@ -28,7 +28,7 @@ def inspect(
     from ..errors import UsageError
     from ..output import output_dirs, part_dirs
     from ..reader import open_dataset
-    from ..shards import ERRORS
+    from ..shard_file import ERRORS
 
     ds = open_dataset(output)
     if not ds.meta:
