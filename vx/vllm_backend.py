@@ -26,7 +26,7 @@ from .vllm_worker import WARMUP_PREFIX
 EXTENSION = "vx.vllm_worker.VxWorkerExtension"
 DRAIN_TIMEOUT_S = 600.0  # after the last request finished, the worker must have taken every sample
 STATUS_EVERY_S = 2.0     # how often the driver asks the worker whether its writer failed
-# CPU default: eager. Compiled is no faster on CPU (bench/throughput.py, README Performance) and
+# CPU default: eager. Compiled measured slower on CPU (bench/throughput.py, README Performance) and
 # starts ~60 s slower cold; on a GPU vLLM's default (compiled, CUDA graphs) is used.
 EAGER_ON_CPU = True
 

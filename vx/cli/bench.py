@@ -17,15 +17,15 @@ def bench(
     ctx: typer.Context,
     samples: Annotated[int, typer.Option(help="Real chat samples per mode.")] = 120,
     reps: Annotated[int, typer.Option(help="Interleaved repetitions (medians reported).")] = 3,
-    modes: Annotated[Optional[str], typer.Option(help="Subset of hf-naive,hf-hooks,vllm-bare,vx-vllm.")] = None,
+    modes: Annotated[Optional[str], typer.Option(help="Subset of hf-naive,hf-hooks,vllm-bare,vllm-builtin,vx-vllm.")] = None,
 ):
-    """Throughput of vx vs HF baselines and bare vLLM, side by side (needs a source checkout).
+    """Throughput of vx vs HF baselines, bare vLLM and vLLM's built-in extraction (needs a source checkout).
 
     Examples:
 
       vx bench
 
-      vx bench --samples 40 --reps 1 --modes vllm-bare,vx-vllm
+      vx bench --samples 480 --modes vllm-bare,vllm-builtin,vx-vllm --compile eager
     """
     from ..errors import UsageError
 
