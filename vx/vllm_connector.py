@@ -141,7 +141,11 @@ class VxCaptureConnector(KVConnectorBase_V1, SupportsHMA):
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self.request_finished_all_groups(request, (block_ids,) if self._group == 0 else ())
+        """The single-group call (vLLM uses request_finished_all_groups for SupportsHMA connectors)."""
+        if self._group != 0:
+            raise RuntimeError("vx: vLLM passed one KV group's blocks, but the hidden states are in group "
+                               f"{self._group}; this vLLM does not honour SupportsHMA")
+        return self.request_finished_all_groups(request, (block_ids,))
 
     def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
