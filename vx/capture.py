@@ -104,19 +104,24 @@ class PinnedRing:
             self._cond.notify_all()
 
 
+def _region_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes of a [shape] dtype tensor, those bytes rounded up to ALIGN)."""
+    n = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dtype).element_size()
+    return n, -(-n // ALIGN) * ALIGN
+
+
+def _nbytes(shapes) -> int:
+    return sum(_region_bytes(s, d)[1] for s, d in shapes)
+
+
 def _carve(buf: torch.Tensor, shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
     """Typed views of consecutive aligned regions of a uint8 buffer."""
     out, off = [], 0
     for shape, dtype in shapes:
-        n = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dtype).element_size()
+        n, padded = _region_bytes(shape, dtype)
         out.append(buf[off:off + n].view(dtype).view(shape))
-        off += -(-n // ALIGN) * ALIGN
+        off += padded
     return out
-
-
-def _nbytes(shapes) -> int:
-    return sum(-(-int(torch.Size(s).numel()) * torch.empty(0, dtype=d).element_size() // ALIGN) * ALIGN
-               for s, d in shapes)
 
 
 @dataclass

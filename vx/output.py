@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import re
 import shutil
-import socket
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import UsageError
 from .shard_file import ERRORS, MANIFEST, RUN_META, read_manifest
-from .shards import live_writer
+from .shards import live_writer, try_lock
 
 # Keys of vx.json that must match for a rerun to continue the same output.
 IDENTITY_KEYS = ("model_fingerprint", "layer_ids", "store_dtype", "hidden_size")
@@ -94,21 +92,13 @@ def output_lock(out: Path):
     same one, on this machine, stops at once instead of deleting the first one's pending shards."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / LOCK, "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            raise UsageError(f"{out} is being written by another vx extract ({f.read().strip() or 'running'}); "
-                             "wait for it or stop it first") from None
-        f.seek(0)
-        f.truncate()
-        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-        f.flush()
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    f, holder = try_lock(out / LOCK)
+    if holder:
+        raise UsageError(f"{out} is being written by another vx extract ({holder}); wait for it or stop it first")
+    try:
+        yield
+    finally:
+        f.close()
 
 
 def prepare_output(out: Path, meta: dict, overwrite: bool) -> ResumeState:

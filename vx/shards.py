@@ -26,36 +26,35 @@ from .storage import SampleRejected, bytes_per_token, check_states, encode
 WRITER_LOCK = ".vx-writer-lock"  # held by the process whose ShardWriter writes into the directory
 
 
-def live_writer(out_dir: Path) -> str | None:
-    """Who holds out_dir's writer lock ('pid N on host'), or None when no live process does. An
-    engine left running by a killed driver still holds it, so a rerun beside it stops at once."""
-    path = Path(out_dir) / WRITER_LOCK
-    if not path.exists():
-        return None
-    with open(path, "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            return f.read().strip() or "another process"
-        fcntl.flock(f, fcntl.LOCK_UN)
-    return None
-
-
-def _take_writer_lock(out_dir: Path):
-    f = open(Path(out_dir) / WRITER_LOCK, "a+")
+def try_lock(path: Path):
+    """Take an exclusive flock on path without waiting and record who holds it ('pid N on host').
+    Returns (open file, None): held until the file is closed or this process dies; or
+    (None, holder) when a live process holds it."""
+    f = open(path, "a+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         f.seek(0)
         holder = f.read().strip() or "another process"
         f.close()
-        raise VxError(f"{out_dir} is being written by {holder}; stop it (or wait for it) and rerun") from None
+        return None, holder
     f.seek(0)
     f.truncate()
     f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
     f.flush()
-    return f
+    return f, None
+
+
+def live_writer(out_dir: Path) -> str | None:
+    """Who holds out_dir's writer lock ('pid N on host'), or None when no live process does. An
+    engine left running by a killed driver still holds it, so a rerun beside it stops at once."""
+    path = Path(out_dir) / WRITER_LOCK
+    if not path.exists():
+        return None
+    f, holder = try_lock(path)
+    if f is not None:
+        f.close()
+    return holder
 
 
 @dataclass
@@ -99,7 +98,9 @@ class ShardWriter:
         self.committed_bytes = 0
         self.added_bytes = 0  # hidden states + ids + masks handed to add(), committed or not
         self.committed_shards = 0
-        self._lock_file = _take_writer_lock(self.out_dir)  # released by close() or this process's death
+        self._lock_file, holder = try_lock(self.out_dir / WRITER_LOCK)  # released by close() or our death
+        if holder:
+            raise VxError(f"{self.out_dir} is being written by {holder}; stop it (or wait for it) and rerun")
         self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._error: BaseException | None = None
         self._closed = False
