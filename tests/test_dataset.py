@@ -18,7 +18,8 @@ BAD_LINES = {
     "unknown shape": {"prompt": "hello"},
     "empty conversation": {"messages": []},
     "unknown role": {"messages": [{"role": "wizard", "content": "hi"}]},
-    "non-string content": {"messages": [{"role": "user", "content": ["a", "b"]}]},
+    "non-string content": {"messages": [{"role": "user", "content": 42}]},
+    "non-text content parts": {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
     "zero tokens": {"input_ids": []},
     "tokens > --max-length": {"text": "word " * 200},
     "not valid UTF-8": b'{"text": "caf\xe9"}',
@@ -64,12 +65,17 @@ def test_loss_mask_covers_exactly_the_assistant_replies(tokenizer, tmp_path):
     assert (t.input_ids, t.loss_mask) == (s.input_ids, s.loss_mask)
 
 
-def test_templates_without_generation_marks_derive_the_mask_from_prefixes(tokenizer, tmp_path):
-    from vx.dataset import Tokenize
+def test_templates_without_generation_marks_give_the_mask_the_marks_give(tokenizer):
+    from vx.chat import ChatTemplate
 
-    tok = Tokenize(tokenizer)
-    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"}]
-    assert tok.chat_by_prefixes(msgs) == tok.chat(msgs)
+    unmarked = tokenizer.chat_template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello there"}, {"role": "user", "content": "Bye"},
+            {"role": "assistant", "content": "See you"}]
+    marked = ChatTemplate(tokenizer).encode(msgs)  # HF's own assistant mask from {% generation %}
+    assert sum(marked[1]) > 0
+    assert ChatTemplate(tokenizer, unmarked).encode(msgs) == marked
+    assert ChatTemplate(tokenizer, unmarked)._by_prefixes(msgs, None) == marked
 
 
 def test_pretokenized_text_ids_and_truncation(tokenizer, tmp_path):

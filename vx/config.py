@@ -14,7 +14,7 @@ OVERLONG = ("truncate", "skip")
 
 @dataclass
 class ExtractConfig:
-    data: Path
+    data: str                                # file, directory, glob or s3:// URL (vx/sources.py)
     output: Path
     model: str | None = None                 # local HF dir; None = embedded tiny default
     backend: str = "auto"                    # auto = vllm when importable, else hf
@@ -24,6 +24,12 @@ class ExtractConfig:
     sort_window: int = 8192                  # hf: samples sorted by length together (bounded memory)
     max_length: int | None = None
     overlong: str = "truncate"
+    messages_field: str = "messages"         # the record field holding the conversation
+    text_field: str = "text"
+    id_field: str = "id"
+    chat_template: str | None = None         # a Jinja template file overriding the tokenizer's
+    chat_template_kwargs: str | None = None  # JSON object passed to the template, e.g. {"enable_thinking": false}
+    verbose: bool = False                    # vLLM's INFO log live on stderr (always in OUT/logs/)
     dtype: str = "auto"                      # compute dtype of the model
     store_dtype: str = "bf16"
     shard_size_mb: float = 1024.0
@@ -71,9 +77,10 @@ class ExtractConfig:
             raise UsageError(f"--compress must be zstd (or omitted), got {self.compress!r}")
         if self.max_local_gb is not None and self.max_local_gb <= 0:
             raise UsageError(f"--max-local-gb must be > 0, got {self.max_local_gb}")
-        self.data, self.output = Path(self.data), Path(self.output)
-        if not self.data.is_file():
-            raise UsageError(f"dataset {str(self.data)!r} is not a file")
+        self.data, self.output = str(self.data), Path(self.output)
+        if not self.data.startswith("s3://"):
+            self.source()  # a missing file, an empty glob or directory: refused before anything starts
+        self._check_reading()
         if self.backend not in BACKENDS:
             raise UsageError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.dtype not in MODEL_DTYPES:
@@ -96,6 +103,39 @@ class ExtractConfig:
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise UsageError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         self._check_scale_out()
+
+    def _check_reading(self) -> None:
+        for name in ("messages_field", "text_field", "id_field"):
+            if not getattr(self, name):
+                raise UsageError(f"--{name.replace('_', '-')} must not be empty")
+        if self.chat_template is not None and not Path(self.chat_template).is_file():
+            raise UsageError(f"--chat-template {self.chat_template!r} is not a file")
+        if self.chat_template_kwargs is not None:
+            import json
+
+            try:
+                kwargs = json.loads(self.chat_template_kwargs)
+            except json.JSONDecodeError as e:
+                raise UsageError(f"--chat-template-kwargs is not JSON: {e.msg}") from None
+            if not isinstance(kwargs, dict):
+                raise UsageError("--chat-template-kwargs must be a JSON object, e.g. '{\"enable_thinking\": false}'")
+
+    def source(self):
+        """The input dataset (vx/sources.py)."""
+        from .sources import Input
+
+        return Input(self.data, self.endpoint_url)
+
+    def reading(self):
+        """How records become samples (vx/dataset.py Reading): part of the partition plan's key."""
+        import json
+
+        from .dataset import Reading
+
+        template = Path(self.chat_template).read_text() if self.chat_template else None
+        kwargs = json.dumps(json.loads(self.chat_template_kwargs or "{}"), sort_keys=True)
+        return Reading(self.messages_field, self.text_field, self.id_field, template, kwargs, self.max_length,
+                       self.overlong)
 
     def _check_scale_out(self) -> None:
         for name in ("data_parallel_size", "num_partitions"):
@@ -151,5 +191,5 @@ class ExtractConfig:
 
     def to_json(self) -> dict:
         d = asdict(self)
-        d["data"], d["output"] = str(self.data), str(self.output)
+        d["output"] = str(self.output)
         return d

@@ -1,34 +1,48 @@
-"""Dataset lines -> token ids and loss masks, streamed.
+"""Dataset records -> token ids and loss masks, streamed.
 
-One JSON object per line, in one of four shapes:
-  {"messages": [{"role": "user", "content": "..."}, ...]}          (OpenAI / HF chat)
-  {"conversations": [{"from": "human", "value": "..."}, ...]}      (ShareGPT)
-  {"text": "..."}                                                   (plain text, loss on every token)
-  {"input_ids": [...], "loss_mask": [...]}                          (pre-tokenized; mask optional)
-plus an optional "id" (default: the 1-based line number). Ids are kept as strings.
+Each record (a JSONL line, a parquet or arrow row; see vx/sources.py) has one of four shapes:
+  {"messages": [{"role": "user", "content": "..."}, ...], "tools": [...]}  (OpenAI / HF chat)
+  {"conversations": [{"from": "human", "value": "..."}, ...]}              (ShareGPT)
+  {"text": "..."}                                                           (plain text, loss on every token)
+  {"input_ids": [...], "loss_mask": [...]}                                  (pre-tokenized; mask optional)
+plus an optional "id" (default: the row number). Ids are kept as strings. The field names of
+messages, text and id can be renamed (`Reading`, --messages-field and friends).
 
-A bad line never stops the run: it becomes a `BadLine` (line number, id, reason) that the
-caller writes to errors.jsonl. The loss mask of a chat sample covers the assistant replies
-(the template's `{% generation %}` blocks, or, for templates without them, the tokens each
-assistant turn adds to the rendered prefix).
+A bad record never stops the run: it becomes a `BadLine` (row, file, id, reason) that the
+caller writes to errors.jsonl. Chat samples are rendered by vx/chat.py.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
 
-ROLES = {"system", "user", "assistant", "tool"}
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "system": "system", "tool": "tool", "function": "tool"}
+from .chat import ChatTemplate, conversation, tools_of
+from .sources import BadRecord, Input, Row
+
+
+@dataclass(frozen=True)
+class Reading:
+    """How records become samples. Everything here changes the tokens, so all of it keys the
+    partition plan."""
+    messages_field: str = "messages"
+    text_field: str = "text"
+    id_field: str = "id"
+    chat_template: str | None = None   # template text (read from --chat-template FILE), None = the model's
+    template_kwargs: str = "{}"        # JSON object, e.g. '{"enable_thinking": false}'
+    max_length: int | None = None
+    overlong: str = "truncate"
+
+    def key(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
 
 
 @dataclass
 class Sample:
     id: str
-    line: int
+    line: int           # row number across the input
     input_ids: list[int]
     loss_mask: list[int]
 
@@ -41,171 +55,109 @@ class BadLine:
     line: int
     id: str | None
     reason: str
+    where: str = ""     # file:row
 
     def to_json(self) -> dict:
-        return {"line": self.line, "id": self.id, "reason": self.reason}
-
-
-class _Bad(Exception):
-    pass
+        file, _, row = self.where.rpartition(":")
+        return {"line": self.line, "file": file or None, "row": int(row) if row else None, "id": self.id,
+                "reason": self.reason}
 
 
 class Tokenize:
-    """Turns one parsed record into (input_ids, loss_mask) with the model's own tokenizer."""
+    """Turns one record into (input_ids, loss_mask) with the model's own tokenizer."""
 
-    def __init__(self, tokenizer):
-        self.tok = tokenizer
-        template = getattr(tokenizer, "chat_template", None) or ""
-        self.has_template = bool(template)
-        self.has_generation_marks = "{% generation %}" in template or "{%- generation %}" in template
-        self.vocab_size = len(tokenizer)
+    def __init__(self, tokenizer, reading: Reading = Reading(), model_vocab: int | None = None):
+        self.tok, self.reading = tokenizer, reading
+        self.chat = ChatTemplate(tokenizer, reading.chat_template, json.loads(reading.template_kwargs))
+        # vLLM's rule (validate_token_ids): an id is out of vocabulary at >= max(tokenizer, embedding rows)
+        self.vocab_size = max(len(tokenizer), model_vocab or 0)
 
     def __call__(self, rec: dict) -> tuple[list[int], list[int]]:
-        if "messages" in rec:
-            return self.chat(self.messages(rec["messages"]))
-        if "conversations" in rec:
-            return self.chat(self.sharegpt(rec["conversations"]))
-        if "text" in rec:
-            if not isinstance(rec["text"], str):
-                raise _Bad("'text' is not a string")
-            ids = list(self.tok(rec["text"], add_special_tokens=True)["input_ids"])
+        r = self.reading
+        for field in dict.fromkeys((r.messages_field, "messages", "conversations")):
+            if field in rec:
+                return self.chat.encode(conversation(rec[field]), tools_of(rec))
+        if r.text_field in rec:
+            if not isinstance(rec[r.text_field], str):
+                raise BadRecord(f"{r.text_field!r} is not a string")
+            ids = list(self.tok(rec[r.text_field], add_special_tokens=True)["input_ids"])
             return ids, [1] * len(ids)
         if "input_ids" in rec:
             return self.pretokenized(rec)
-        raise _Bad("unknown shape: expected one of 'messages', 'conversations', 'text', 'input_ids'")
-
-    def messages(self, msgs) -> list[dict]:
-        if not isinstance(msgs, list):
-            raise _Bad("'messages' is not a list")
-        out = []
-        for m in msgs:
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise _Bad("a message lacks 'role' or 'content'")
-            if m["role"] not in ROLES:
-                raise _Bad(f"unknown role {m['role']!r}")
-            if not isinstance(m["content"], str):
-                raise _Bad(f"non-string content in a {m['role']!r} message")
-            out.append({"role": m["role"], "content": m["content"]})
-        return out
-
-    def sharegpt(self, turns) -> list[dict]:
-        if not isinstance(turns, list):
-            raise _Bad("'conversations' is not a list")
-        out = []
-        for t in turns:
-            if not isinstance(t, dict) or "from" not in t or "value" not in t:
-                raise _Bad("a turn lacks 'from' or 'value'")
-            role = SHAREGPT_ROLES.get(t["from"])
-            if role is None:
-                raise _Bad(f"unknown role {t['from']!r}")
-            if not isinstance(t["value"], str):
-                raise _Bad(f"non-string content in a {t['from']!r} turn")
-            out.append({"role": role, "content": t["value"]})
-        return out
-
-    def chat(self, msgs: list[dict]) -> tuple[list[int], list[int]]:
-        if not msgs:
-            raise _Bad("empty conversation")
-        if not self.has_template:
-            raise _Bad("the tokenizer has no chat template; give 'text' or 'input_ids' instead")
-        if self.has_generation_marks:
-            enc = self.tok.apply_chat_template(msgs, tokenize=True, return_dict=True,
-                                               return_assistant_tokens_mask=True)
-            return list(enc["input_ids"]), [int(x) for x in enc["assistant_masks"]]
-        return self.chat_by_prefixes(msgs)
-
-    def chat_by_prefixes(self, msgs: list[dict]) -> tuple[list[int], list[int]]:
-        """Loss mask for templates without generation marks: what each assistant turn appends."""
-        def render(ms, gen):
-            return list(self.tok.apply_chat_template(ms, tokenize=True, add_generation_prompt=gen,
-                                                     return_dict=True)["input_ids"])
-        ids = render(msgs, False)
-        mask = [0] * len(ids)
-        for i, m in enumerate(msgs):
-            if m["role"] != "assistant":
-                continue
-            before = render(msgs[:i], True) if i else []
-            upto = render(msgs[: i + 1], False)
-            if ids[: len(upto)] != upto or upto[: len(before)] != before:
-                raise _Bad("chat template is not prefix-stable, cannot derive the assistant loss mask")
-            end = len(upto)
-            span = upto[len(before):]
-            if self.tok.eos_token_id in span:  # stop at the turn's end token, like {% generation %}
-                end = len(before) + len(span) - span[::-1].index(self.tok.eos_token_id)
-            for j in range(len(before), end):
-                mask[j] = 1
-        return ids, mask
+        raise BadRecord(f"unknown shape: no {r.messages_field!r} (--messages-field), 'conversations', "
+                        f"{r.text_field!r} (--text-field) or 'input_ids'; fields: {sorted(rec)[:8]}")
 
     def pretokenized(self, rec: dict) -> tuple[list[int], list[int]]:
         ids = rec["input_ids"]
         if not isinstance(ids, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
-            raise _Bad("'input_ids' is not a list of integers")
+            raise BadRecord("'input_ids' is not a list of integers")
         if any(x < 0 or x >= self.vocab_size for x in ids):
-            raise _Bad(f"'input_ids' has ids outside the vocabulary [0, {self.vocab_size})")
+            raise BadRecord(f"'input_ids' has ids outside the vocabulary [0, {self.vocab_size})")
         mask = rec.get("loss_mask")
         if mask is None:
             return list(ids), [1] * len(ids)
         if not isinstance(mask, list) or len(mask) != len(ids) or any(x not in (0, 1) for x in mask):
-            raise _Bad("'loss_mask' must be a list of 0/1 of the same length as 'input_ids'")
+            raise BadRecord("'loss_mask' must be a list of 0/1 of the same length as 'input_ids'")
         return list(ids), [int(x) for x in mask]
 
+    def sample(self, rec: dict) -> tuple[list[int], list[int]]:
+        """Tokens under the length policy: truncated, or refused with --overlong skip."""
+        ids, mask = self(rec)
+        if not ids:
+            raise BadRecord("zero tokens")
+        limit = self.reading.max_length
+        if limit is not None and len(ids) > limit:
+            if self.reading.overlong == "skip":
+                raise BadRecord(f"{len(ids)} tokens > --max-length {limit} (--overlong skip)")
+            ids, mask = ids[:limit], mask[:limit]
+        return ids, mask
 
-def read_samples(path: Path, tokenizer, max_length: int | None = None, overlong: str = "truncate",
-                 skip_ids: frozenset[str] | set[str] = frozenset(),
-                 lines: set[int] | None = None) -> Iterator[Sample | BadLine]:
-    """Stream `path` line by line, yielding a Sample or a BadLine for each non-blank line.
+    def id_of(self, row: Row) -> str:
+        raw = row.record.get(self.reading.id_field, row.index)
+        if raw is None:
+            raw = row.index
+        if not isinstance(raw, (str, int)) or isinstance(raw, bool):
+            raise BadRecord(f"{self.reading.id_field!r} must be a string or an integer")
+        return str(raw)
 
-    Samples whose id is in `skip_ids` (already committed by an earlier run) are not yielded.
-    With `lines` (a partition's 1-based line numbers) only those lines are tokenized and yielded;
-    the others are still parsed for their ids, so a duplicate id is the same bad line whichever
-    partition owns it.
+
+def read_samples(data: Input | str | Path, tokenize, skip_ids: frozenset[str] | set[str] = frozenset(),
+                 lines: set[int] | None = None, **reading) -> Iterator[Sample | BadLine]:
+    """Stream the input, yielding a Sample or a BadLine for each non-blank row.
+
+    `tokenize` is a Tokenize, or a tokenizer (then `reading` holds Reading's fields). Samples
+    whose id is in `skip_ids` (already committed by an earlier run) are not yielded. With `lines`
+    (a partition's row numbers) only those rows are tokenized and yielded; the others are still
+    read for their ids, so a duplicate id is the same bad row whichever partition owns it.
     """
-    tokenize = Tokenize(tokenizer)
+    if not isinstance(data, Input):
+        data = Input(data)
+    if not isinstance(tokenize, Tokenize):
+        tokenize = Tokenize(tokenize, Reading(**reading))
     seen: set[str] = set()
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            if not raw.strip():
+    for row in data.rows():
+        if row.record is None and row.bad is None:
+            continue  # a blank line
+        sid = None
+        mine = lines is None or row.index in lines
+        try:
+            if row.bad is not None:
+                raise BadRecord(row.bad)
+            sid = tokenize.id_of(row)
+            if sid in seen:
+                raise BadRecord(f"duplicate id {sid!r}")
+            seen.add(sid)
+            if not mine or sid in skip_ids:
                 continue
-            sid = None
-            mine = lines is None or lineno in lines
-            try:
-                try:
-                    text = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise _Bad(f"line is not valid UTF-8 (byte {e.start})") from None
-                try:
-                    rec = json.loads(text)
-                except json.JSONDecodeError as e:
-                    raise _Bad(f"invalid JSON: {e.msg} at column {e.colno}") from None
-                if not isinstance(rec, dict):
-                    raise _Bad("line is not a JSON object")
-                raw_id = rec.get("id", lineno)
-                if not isinstance(raw_id, (str, int)) or isinstance(raw_id, bool):
-                    raise _Bad("'id' must be a string or an integer")
-                sid = str(raw_id)
-                if sid in seen:
-                    raise _Bad(f"duplicate id {sid!r}")
-                seen.add(sid)
-                if not mine or sid in skip_ids:
-                    continue
-                ids, mask = tokenize(rec)
-                if not ids:
-                    raise _Bad("zero tokens")
-                if max_length is not None and len(ids) > max_length:
-                    if overlong == "skip":
-                        raise _Bad(f"{len(ids)} tokens > --max-length {max_length} (--overlong skip)")
-                    ids, mask = ids[:max_length], mask[:max_length]
-                yield Sample(sid, lineno, ids, mask)
-            except _Bad as bad:
-                if mine:
-                    yield BadLine(lineno, sid, str(bad))
+            ids, mask = tokenize.sample(row.record)
+            yield Sample(sid, row.index, ids, mask)
+        except BadRecord as bad:
+            if mine:
+                yield BadLine(row.index, sid, str(bad), row.where)
 
 
-def count_lines(path: Path) -> int:
-    """Non-blank lines, counted fast for the progress bar's total."""
-    n = 0
-    with open(path, "rb") as f:
-        for raw in f:
-            if raw.strip():
-                n += 1
-    return n
+def tokenize_for(model_dir: Path, reading: Reading = Reading()) -> Tokenize:
+    """The Tokenize of a model directory: its tokenizer, and its embedding size for the vocab rule."""
+    from .model import load_tokenizer, model_info
+
+    return Tokenize(load_tokenizer(Path(model_dir)), reading, model_info(Path(model_dir)).vocab_size)

@@ -11,7 +11,7 @@ from typing import Iterator
 
 from . import __version__, faults
 from .config import ExtractConfig
-from .dataset import BadLine, Sample, count_lines, read_samples
+from .dataset import BadLine, Sample, Tokenize, read_samples
 from .errors import UsageError, VxError
 from .layers import check_layer_ids, default_layer_ids
 from .model import load_tokenizer, model_info, resolve_model
@@ -77,6 +77,8 @@ class Job:
     tokenizer: object
     meta: dict
     target: object | None  # S3Target of the root output, or None
+    source: object         # the input dataset (vx/sources.py Input)
+    tokenize: Tokenize
 
 
 def prepare_job(cfg: ExtractConfig) -> Job:
@@ -91,21 +93,22 @@ def prepare_job(cfg: ExtractConfig) -> Job:
     info = model_info(model_dir)
     layer_ids = check_layer_ids(cfg.layers, info.num_layers) if cfg.layers else default_layer_ids(info.num_layers)
     tokenizer = load_tokenizer(model_dir)
+    source = cfg.source()
+    tokenize = Tokenize(tokenizer, cfg.reading(), info.vocab_size)
     meta = {
         "format": "vx-1", "vx_version": __version__, "model": str(model_dir), "model_type": info.model_type,
         "model_fingerprint": info.fingerprint,
         "num_layers": info.num_layers, "layer_ids": layer_ids, "hidden_size": info.hidden_size,
         "store_dtype": cfg.store_dtype, "compress": cfg.compress or "none", "backend": backend,
     }
-    return Job(backend, model_dir, info, layer_ids, tokenizer, meta, target)
+    return Job(backend, model_dir, info, layer_ids, tokenizer, meta, target, source, tokenize)
 
 
 def check_dataset(cfg: ExtractConfig, job: Job) -> None:
     """--strict: a full validation pass before any compute."""
-    for item in read_samples(cfg.data, job.tokenizer, cfg.max_length, cfg.overlong):
+    for item in read_samples(job.source, job.tokenize):
         if isinstance(item, BadLine):
-            raise UsageError(f"{cfg.data}:{item.line}: {item.reason} (id {item.id!r}); --strict stops "
-                             "before any compute")
+            raise UsageError(f"{item.where}: {item.reason} (id {item.id!r}); --strict stops before any compute")
 
 
 def clear_or_fetch(cfg: ExtractConfig, target) -> None:
@@ -173,13 +176,14 @@ def _extract_locked(cfg, job, target, lines, elsewhere, progress, reporter, t0) 
 
         uploader = Uploader(cfg.output, target, cfg.endpoint_url, keep_local=cfg.keep_local,
                             max_local_bytes=max_local).start()
-    total = (len(lines) if lines is not None else count_lines(cfg.data)) - len(state.committed_ids)
+    total = len(lines) if lines is not None else job.source.count()
+    total = None if total is None else max(0, total - len(state.committed_ids))
     bar = reporter if reporter is not None else RunProgress(total, enabled=progress)
     if uploader is not None:
         bar.status = uploader.status_line
 
     def good_samples() -> Iterator[Sample]:
-        for item in read_samples(cfg.data, job.tokenizer, cfg.max_length, cfg.overlong, skip_ids=skip, lines=lines):
+        for item in read_samples(job.source, job.tokenize, skip_ids=skip, lines=lines):
             if isinstance(item, BadLine):
                 errors.write(item.to_json())
                 bar.skip(1)
@@ -224,6 +228,24 @@ def _extract_locked(cfg, job, target, lines, elsewhere, progress, reporter, t0) 
                    up.get("uploaded_bytes", 0), up.get("upload_mb_s", 0.0), peak_local)
 
 
+def require_samples(cfg: ExtractConfig, s: Summary) -> None:
+    """A run in which no record could be read is a failure, not an empty success."""
+    if s.samples or s.resumed_samples:
+        return
+    from .output import output_dirs
+    from .shard_file import ERRORS
+
+    source = cfg.source()
+    if not s.errors:
+        raise UsageError(f"{source} holds no records")
+    first = next((json.loads(line) for d in output_dirs(cfg.output) if (d / ERRORS).exists()
+                  for line in open(d / ERRORS) if line.strip()), {})
+    where = f"{first.get('file')}:{first.get('row')}" if first.get("file") else f"row {first.get('line')}"
+    looks = source.describe_failure()
+    raise UsageError(f"no sample could be read from {source}: all {s.errors:,} records are bad (first, {where}: "
+                     f"{first.get('reason')})" + (f"; {looks}" if looks else "") + f". See {cfg.output / ERRORS}")
+
+
 def _enter_partition(cfg: ExtractConfig, job: Job):
     """A partition worker: join the root output, find its lines, and what other partitions (of
     this run, or of an earlier run with another partition count) already committed. Returns the
@@ -234,7 +256,7 @@ def _enter_partition(cfg: ExtractConfig, job: Job):
     clear_or_fetch(cfg, job.target)  # the root's vx.json from S3 (--overwrite is refused here)
     claim_root(root, job.meta)
     plan = Path(cfg.plan_file) if cfg.plan_file else load_or_make_plan(
-        root, cfg.data, job.model_dir, job.info.fingerprint, cfg.num_partitions, cfg.max_length, cfg.overlong)
+        root, job.source, job.model_dir, job.info.fingerprint, cfg.num_partitions, cfg.reading())
     lines = lines_of(plan, cfg.partition_index)
     elsewhere = committed_ids_under(root, exclude=root / name)
     upload = None

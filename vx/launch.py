@@ -187,8 +187,8 @@ def make_plan(cfg: ExtractConfig, job) -> tuple[str, dict]:
 
     from .partition import load_or_make_plan
 
-    path = load_or_make_plan(cfg.output, cfg.data, job.model_dir, job.info.fingerprint, cfg.num_partitions,
-                             cfg.max_length, cfg.overlong)
+    path = load_or_make_plan(cfg.output, job.source, job.model_dir, job.info.fingerprint, cfg.num_partitions,
+                             cfg.reading())
     plan = np.load(path)
     return str(path), {"lines": [int((plan == p).sum()) for p in range(cfg.num_partitions)]}
 

@@ -1,6 +1,6 @@
 """Partitions: a deterministic, token-balanced split of a dataset into P parts.
 
-A line's weight is its token count under the run's tokenizer and length policy (0 for a line
+A row's weight is its token count under the run's tokenizer and length policy (0 for a row
 that does not tokenize: it costs no compute). Lines go, in file order, to the partition with the
 fewest tokens so far (ties: the lowest index), so partitions differ by at most one sample's
 tokens and each one mixes the whole file (a length-sorted dataset is spread, not cut in ranges).
@@ -23,7 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
-PLAN_VERSION = 1
+from .dataset import Reading, Tokenize, tokenize_for
+from .sources import TEXT, Input, InputFile, parse_line, sniff
+
+PLAN_VERSION = 2  # 2: rows of any input format, reading options in the key
 PLAN_DIR = ".vx-plan"
 _PARALLEL_MIN_BYTES = 4 << 20  # below this, one process is faster than starting a pool
 
@@ -43,18 +46,27 @@ def assign(weights: list[int], count: int) -> list[int]:
     return out
 
 
-def line_weights(path: Path, model_dir: Path, max_length: int | None, overlong: str,
+def line_weights(source: Input | str | Path, model_dir: Path, reading: Reading = Reading(),
                  procs: int | None = None) -> np.ndarray:
-    """Token count of every physical line of `path` (-1 for blank lines), in parallel chunks."""
-    size = os.path.getsize(path)
+    """Token count of every row of the input (-1 for blank JSONL lines), in parallel: a large
+    local plain-JSONL file in byte chunks cut at line starts, any other file as one task."""
+    source = source if isinstance(source, Input) else Input(source)
     procs = procs or min(os.cpu_count() or 1, 32)
-    if procs <= 1 or size < _PARALLEL_MIN_BYTES:
-        return np.asarray(_chunk_weights(str(path), str(model_dir), 0, size, max_length, overlong), dtype=np.int64)
-    bounds = _chunk_bounds(path, size, procs)
-    with ProcessPoolExecutor(len(bounds) - 1, mp_context=get_context("spawn")) as pool:
-        parts = pool.map(_chunk_weights, [str(path)] * (len(bounds) - 1), [str(model_dir)] * (len(bounds) - 1),
-                         bounds[:-1], bounds[1:], [max_length] * (len(bounds) - 1), [overlong] * (len(bounds) - 1))
-        return np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])
+    tasks = []
+    for f in source.files:
+        plain = not f.name.startswith("s3://") and sniff(source.head(f, 8)) == TEXT
+        if plain and procs > 1 and f.size >= _PARALLEL_MIN_BYTES:
+            bounds = _chunk_bounds(Path(f.name), f.size, procs)
+            tasks += [(f, a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+        else:
+            tasks.append((f, None, None))
+    args = [(source.endpoint_url, str(model_dir), reading, f, a, b) for f, a, b in tasks]
+    if procs <= 1 or len(tasks) == 1:
+        parts = [_task_weights(*a) for a in args]
+    else:
+        with ProcessPoolExecutor(min(procs, len(tasks)), mp_context=get_context("spawn")) as pool:
+            parts = list(pool.map(_task_weights, *zip(*args)))
+    return np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]) if parts else np.zeros(0, np.int64)
 
 
 def _chunk_bounds(path: Path, size: int, procs: int) -> list[int]:
@@ -70,59 +82,56 @@ def _chunk_bounds(path: Path, size: int, procs: int) -> list[int]:
     return bounds + [size]
 
 
-def _chunk_weights(path: str, model_dir: str, start: int, end: int, max_length, overlong) -> list[int]:
-    from .dataset import Tokenize
-    from .model import load_tokenizer
-
-    tokenize = Tokenize(load_tokenizer(Path(model_dir)))
+def _task_weights(endpoint_url, model_dir: str, reading: Reading, f: InputFile, start, end) -> list[int]:
+    tokenize = tokenize_for(Path(model_dir), reading)
+    if start is None:
+        rows = Input(f.name, endpoint_url, files=[f]).file_rows(f)
+        return [-1 if rec is None and bad is None else _weight(tokenize, rec) for _, rec, bad in rows]
     out = []
-    with open(path, "rb") as f:
-        f.seek(start)
-        while f.tell() < end:
-            raw = f.readline()
+    with open(f.name, "rb") as fh:
+        fh.seek(start)
+        while fh.tell() < end:
+            raw = fh.readline()
             if not raw:
                 break
-            out.append(-1 if not raw.strip() else _weight(tokenize, raw, max_length, overlong))
+            out.append(-1 if not raw.strip() else _weight(tokenize, raw))
     return out
 
 
-def _weight(tokenize, raw: bytes, max_length, overlong) -> int:
-    try:
-        rec = json.loads(raw)
-        n = len(tokenize(rec)[0]) if isinstance(rec, dict) else 0
-    except Exception:  # a bad line: reported by the partition that owns it, costs nothing
+def _weight(tokenize: Tokenize, rec) -> int:
+    """Tokens of one row under the length policy; 0 for a bad row (reported by the partition
+    that owns it, costs nothing)."""
+    if rec is None:
         return 0
-    if max_length is not None and n > max_length:
-        return 0 if overlong == "skip" else max_length
-    return n
+    try:
+        return len(tokenize.sample(rec if isinstance(rec, dict) else parse_line(rec))[0])
+    except Exception:
+        return 0
 
 
-def plan_key(data: Path, model_fingerprint: str, max_length, overlong: str, count: int) -> str:
-    h = hashlib.sha256()
-    with open(data, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-    h.update(json.dumps([PLAN_VERSION, model_fingerprint, max_length, overlong, count]).encode())
+def plan_key(source: Input, model_fingerprint: str, reading: Reading, count: int) -> str:
+    h = hashlib.sha256(source.fingerprint().encode())
+    h.update(json.dumps([PLAN_VERSION, model_fingerprint, reading.key(), count]).encode())
     return h.hexdigest()[:24]
 
 
-def make_plan(data: Path, model_dir: Path, count: int, max_length, overlong: str,
+def make_plan(source: Input | str | Path, model_dir: Path, count: int, reading: Reading = Reading(),
               procs: int | None = None) -> np.ndarray:
-    """Partition index of every physical line (-1: blank line), int32 [lines]."""
-    weights = line_weights(data, model_dir, max_length, overlong, procs)
+    """Partition index of every row (-1: blank line), int32 [rows]."""
+    weights = line_weights(source, model_dir, reading, procs)
     plan = np.full(len(weights), -1, dtype=np.int32)
     real = np.flatnonzero(weights >= 0)
     plan[real] = assign(weights[real].tolist(), count)
     return plan
 
 
-def load_or_make_plan(root: Path, data: Path, model_dir: Path, fingerprint: str, count: int, max_length,
-                      overlong: str) -> Path:
-    """The plan file for this dataset/tokenizer/policy/P under root/.vx-plan, made if missing."""
-    path = Path(root) / PLAN_DIR / f"plan-{plan_key(data, fingerprint, max_length, overlong, count)}.npy"
+def load_or_make_plan(root: Path, source: Input, model_dir: Path, fingerprint: str, count: int,
+                      reading: Reading) -> Path:
+    """The plan file for this input/tokenizer/reading/P under root/.vx-plan, made if missing."""
+    path = Path(root) / PLAN_DIR / f"plan-{plan_key(source, fingerprint, reading, count)}.npy"
     if path.exists():
         return path
-    plan = make_plan(data, model_dir, count, max_length, overlong)
+    plan = make_plan(source, model_dir, count, reading)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     with open(tmp, "wb") as f:  # concurrent makers write identical bytes; rename is atomic
@@ -132,7 +141,7 @@ def load_or_make_plan(root: Path, data: Path, model_dir: Path, fingerprint: str,
 
 
 def lines_of(plan_file: Path, index: int) -> set[int]:
-    """1-based line numbers of partition `index`."""
+    """1-based row numbers of partition `index`."""
     plan = np.load(plan_file)
     return set((np.flatnonzero(plan == index) + 1).tolist())
 

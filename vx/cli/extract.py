@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -14,7 +13,7 @@ from .options import Layers, ModelPath, OutputDir, Progress
 
 @app.command(no_args_is_help=True)
 def extract(
-    data: Annotated[Path, typer.Argument(help="JSONL dataset: messages / conversations / text / input_ids lines.")],
+    data: Annotated[str, typer.Argument(help="Dataset: a .jsonl(.gz/.zst), .parquet or .arrow file, a datasets save_to_disk directory, a directory or glob of such files, or s3://bucket/key-or-prefix. Records: messages / conversations / text / input_ids.", show_default=False)],
     output: OutputDir = "out",
     model: ModelPath = None,
     backend: Annotated[str, typer.Option(help="auto (vllm when installed, else hf), vllm, or hf.")] = "auto",
@@ -24,6 +23,11 @@ def extract(
     sort_window: Annotated[int, typer.Option(help="hf: samples sorted by length together.")] = 8192,
     max_length: Annotated[Optional[int], typer.Option(help="Longest sample in tokens; see --overlong.")] = None,
     overlong: Annotated[str, typer.Option(help="truncate or skip samples over --max-length.")] = "truncate",
+    messages_field: Annotated[str, typer.Option(help="Record field holding the conversation (OpenAI messages or ShareGPT turns).")] = "messages",
+    text_field: Annotated[str, typer.Option(help="Record field holding plain text (loss on every token).")] = "text",
+    id_field: Annotated[str, typer.Option(help="Record field holding the sample id (default when absent: the row number).")] = "id",
+    chat_template: Annotated[Optional[str], typer.Option(help="Jinja chat template file to use instead of the tokenizer's.")] = None,
+    chat_template_kwargs: Annotated[Optional[str], typer.Option(help='JSON object passed to the chat template, e.g. \'{"enable_thinking": false}\' (Qwen3 thinking off).')] = None,
     dtype: Annotated[str, typer.Option(help="Compute dtype: auto (the checkpoint's), bfloat16, float16, float32.")] = "auto",
     store_dtype: Annotated[str, typer.Option(help="Stored hidden-state dtype: bf16, fp16, fp32, fp8 (e4m3 + a float32 scale per token per layer; the reader dequantizes).")] = "bf16",
     shard_size: Annotated[float, typer.Option(help="Target shard size in MB.")] = 1024.0,
@@ -48,6 +52,7 @@ def extract(
     ray_address: Annotated[Optional[str], typer.Option(help="Ray cluster address. Default: auto (RAY_ADDRESS, or the cluster started on this node).")] = None,
     max_retries: Annotated[int, typer.Option(help="ray: times a failed partition is rescheduled (it resumes from its manifest).")] = 3,
     progress: Progress = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show vLLM's INFO log live on stderr (it is always written to OUT/logs/).")] = False,
     json_summary: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object.")] = False,
 ):
     """Extract target-layer hidden states for every token of every sample.
@@ -60,6 +65,8 @@ def extract(
 
       vx extract chats.jsonl -o out/ --backend hf --batch-size 64 --max-length 4096 --overlong skip
 
+      vx extract 'data/train-*.parquet' -o out/ --messages-field conversation --chat-template-kwargs '{"enable_thinking": false}'
+
       vx extract chats.jsonl -o s3://bucket/run1 --model /models/Qwen3.6-27B --gpus 0,1,2,3,4,5,6,7
 
       vx extract chats.jsonl -o s3://bucket/run1 --model /models/big --ray --tensor-parallel-size 2 --num-partitions 64
@@ -67,13 +74,14 @@ def extract(
       vx extract chats.jsonl -o s3://bucket/run1 --num-partitions 16 --partition-index $SLURM_ARRAY_TASK_ID
     """
     from ..config import ExtractConfig
-    from ..extract import run_extract
+    from ..extract import require_samples, run_extract
     from ..layers import parse_layer_ids
 
     cfg = ExtractConfig(
         data=data, output=output, model=model, backend=backend, layers=parse_layer_ids(layers),
         batch_size=batch_size, max_batch_tokens=max_batch_tokens, sort_window=sort_window, max_length=max_length,
-        overlong=overlong, dtype=dtype, store_dtype=store_dtype, shard_size_mb=shard_size, strict=strict,
+        overlong=overlong, messages_field=messages_field, text_field=text_field, id_field=id_field,
+        chat_template=chat_template, chat_template_kwargs=chat_template_kwargs, verbose=verbose, dtype=dtype, store_dtype=store_dtype, shard_size_mb=shard_size, strict=strict,
         overwrite=overwrite, device=device, max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs, gpu_memory_utilization=gpu_memory_utilization,
         tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager, upload=upload,
@@ -91,12 +99,13 @@ def extract(
         s = run_data_parallel(cfg, progress=progress)
     else:
         s = run_extract(cfg, progress=progress)
+    require_samples(cfg, s)
     if json_summary:
         print(json.dumps(s.to_json()))
         return
     print(f"output       {s.output}")
     print(f"backend      {s.backend}")
-    print(f"samples      {s.samples:,} extracted, {s.resumed_samples:,} already committed, {s.errors:,} bad lines "
+    print(f"samples      {s.samples:,} extracted, {s.resumed_samples:,} already committed, {s.errors:,} bad records "
           f"(see errors.jsonl)")
     print(f"tokens       {s.tokens:,}")
     print(f"written      {s.shards} shards, {s.bytes_written / 1e6:,.1f} MB")

@@ -1,0 +1,316 @@
+"""The input: a dataset given as a file, a directory, a glob or an s3:// URL, read as one ordered
+stream of records, never loaded whole.
+
+Formats are sniffed from each file's first bytes (a gzipped file named .jsonl still reads):
+JSONL (plain, gzip, zstd), parquet (one row group at a time), Arrow IPC streams (what
+`datasets.save_to_disk` writes; a `save_to_disk` directory is read in its own file order).
+Rows are numbered 1.. across the whole input in a stable order (files sorted by name; a JSONL
+file counts every physical line, blank ones too, so a one-file dataset's row is its line
+number): the partition plan, resume and errors.jsonl all use that number.
+"""
+
+from __future__ import annotations
+
+import glob as globlib
+import gzip
+import hashlib
+import io
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from .errors import UsageError
+
+SUFFIXES = (".jsonl", ".json", ".ndjson", ".jsonl.gz", ".json.gz", ".ndjson.gz", ".jsonl.zst", ".json.zst",
+            ".ndjson.zst", ".parquet", ".arrow")
+GZIP, ZSTD, PARQUET, ARROW_STREAM, ARROW_FILE, TEXT = "gzip", "zstd", "parquet", "arrow", "arrow-file", "jsonl"
+ROW_BATCH = 256  # parquet/arrow rows decoded to Python at a time
+
+
+class BadRecord(Exception):
+    """A row that is not a usable record; the message is the reason written to errors.jsonl."""
+
+
+@dataclass(frozen=True)
+class InputFile:
+    name: str              # local path or s3://bucket/key
+    size: int
+    version: str = ""      # S3 ETag: part of the input's fingerprint
+
+    @property
+    def short(self) -> str:
+        return self.name if self.name.startswith("s3://") else os.path.basename(self.name)
+
+
+@dataclass
+class Row:
+    index: int             # 1-based across the whole input
+    file: InputFile
+    row: int               # 1-based within its file (the line, for JSONL)
+    record: dict | None    # None for a blank JSONL line
+    bad: str | None = None
+
+    @property
+    def where(self) -> str:
+        return f"{self.file.short}:{self.row}"
+
+
+def sniff(head: bytes) -> str:
+    if head[:2] == b"\x1f\x8b":
+        return GZIP
+    if head[:4] == b"\x28\xb5\x2f\xfd":
+        return ZSTD
+    if head[:4] == b"PAR1":
+        return PARQUET
+    if head[:6] == b"ARROW1":
+        return ARROW_FILE
+    if head[:4] == b"\xff\xff\xff\xff":
+        return ARROW_STREAM
+    return TEXT
+
+
+def looks_like(head: bytes) -> str:
+    """What a file whose rows were all bad looks like, for the one-line error."""
+    kind = sniff(head)
+    if kind != TEXT:
+        return f"{kind} data"
+    text = head.lstrip()
+    try:
+        text.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if e.start < len(text) - 4:  # not just a multi-byte character cut by the sniff window
+            return "binary data, not JSONL/gzip/zstd/parquet/arrow"
+    if text.startswith(b"["):
+        return "one JSON array, not JSON lines (one object per line)"
+    first = text.split(b"\n", 1)[0]
+    if first.startswith(b"{"):
+        return "JSON lines"
+    if b"," in first or b"\t" in first:
+        return "CSV/TSV text, not JSON lines"
+    return "plain text, not JSON lines"
+
+
+class Input:
+    """The dataset named by `spec`: resolved to an ordered list of files at construction."""
+
+    def __init__(self, spec: str | Path, endpoint_url: str | None = None, files: list[InputFile] | None = None):
+        self.spec, self.endpoint_url = str(spec), endpoint_url
+        self.files = files if files is not None else self._resolve()
+
+    def __str__(self) -> str:
+        return self.spec
+
+    # -- which files -------------------------------------------------------------------------------
+    def _resolve(self) -> list[InputFile]:
+        if self.spec.startswith("s3://"):
+            return self._resolve_s3()
+        path = Path(self.spec).expanduser()
+        if any(c in self.spec for c in "*?["):
+            names = sorted(p for p in globlib.glob(str(path), recursive=True) if os.path.isfile(p))
+            if not names:
+                raise UsageError(f"dataset glob {self.spec!r} matches no file")
+            return [self._local(n) for n in names]
+        if path.is_file():
+            return [self._local(path)]
+        if path.is_dir():
+            return self._resolve_dir(path)
+        raise UsageError(f"dataset {self.spec!r} is not a file, a directory, a glob or an s3:// URL")
+
+    @staticmethod
+    def _local(path) -> InputFile:
+        return InputFile(str(path), os.path.getsize(path))
+
+    def _resolve_dir(self, path: Path) -> list[InputFile]:
+        if (path / "dataset_dict.json").exists():
+            splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+            raise UsageError(f"{path} is a datasets DatasetDict; give one split, e.g. {path / (splits or ['train'])[0]}")
+        if (path / "state.json").exists() and (path / "dataset_info.json").exists():  # datasets.save_to_disk
+            files = [f["filename"] for f in json.loads((path / "state.json").read_text()).get("_data_files", [])]
+            return [self._local(path / f) for f in files]
+        names = sorted(str(p) for p in path.rglob("*") if p.is_file() and _supported(p.name)
+                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        if not names:
+            raise UsageError(f"directory {path} holds no dataset file ({', '.join(SUFFIXES)})")
+        return [self._local(n) for n in names]
+
+    def _client(self):
+        from .s3 import make_client
+
+        return make_client(self.endpoint_url)
+
+    def _resolve_s3(self) -> list[InputFile]:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        bucket, _, key = self.spec[5:].partition("/")
+        client = self._client()
+        try:
+            if key and not key.endswith("/"):
+                try:
+                    head = client.head_object(Bucket=bucket, Key=key)
+                    return [InputFile(self.spec, head["ContentLength"], head.get("ETag", ""))]
+                except ClientError as e:
+                    if e.response.get("Error", {}).get("Code") not in ("404", "NoSuchKey", "NotFound"):
+                        raise
+                key += "/"
+            out = []
+            for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=key):
+                for obj in page.get("Contents", []):
+                    if _supported(obj["Key"]) and not os.path.basename(obj["Key"]).startswith("."):
+                        out.append(InputFile(f"s3://{bucket}/{obj['Key']}", obj["Size"], obj.get("ETag", "")))
+        except (ClientError, BotoCoreError) as e:
+            raise UsageError(f"cannot list dataset {self.spec}: {e}") from None
+        if not out:
+            raise UsageError(f"dataset {self.spec} matches no object ({', '.join(SUFFIXES)})")
+        return sorted(out, key=lambda f: f.name)
+
+    # -- reading -----------------------------------------------------------------------------------
+    def rows(self) -> Iterator[Row]:
+        """Every row of every file, in order, numbered across the input."""
+        index = 0
+        for f in self.files:
+            for row, record, bad in self.file_rows(f):
+                index += 1
+                yield Row(index, f, row, record, bad)
+
+    def file_rows(self, f: InputFile) -> Iterator[tuple[int, dict | None, str | None]]:
+        """(row in file, record or None for a blank line, reason when bad) of one file."""
+        with self._open(f) as raw:
+            kind = sniff(raw.peek(8)[:8])
+            if kind in (PARQUET, ARROW_FILE):
+                yield from _table_rows(self._seekable(f, raw), kind)
+            elif kind == ARROW_STREAM:
+                yield from _table_rows(raw, kind)
+            else:
+                yield from _json_lines(_decompressed(raw, kind))
+
+    def head(self, f: InputFile, n: int = 256) -> bytes:
+        with self._open(f) as raw:
+            return raw.peek(n)[:n]
+
+    def _open(self, f: InputFile) -> io.BufferedReader:
+        if not f.name.startswith("s3://"):
+            return open(f.name, "rb", buffering=1 << 20)
+        bucket, _, key = f.name[5:].partition("/")
+        body = self._client().get_object(Bucket=bucket, Key=key)["Body"]
+        return io.BufferedReader(_BodyReader(body), buffer_size=1 << 20)
+
+    def _seekable(self, f: InputFile, raw):
+        """Parquet needs random access: a local file as is, an S3 object via one temporary copy."""
+        if not f.name.startswith("s3://"):
+            return f.name
+        tmp = tempfile.TemporaryFile(prefix="vx-input-")
+        while chunk := raw.read(8 << 20):
+            tmp.write(chunk)
+        tmp.seek(0)
+        return tmp
+
+    def count(self) -> int | None:
+        """Non-blank rows, for the progress bar's total; None where counting means a full download."""
+        if any(f.name.startswith("s3://") for f in self.files):
+            return None
+        return sum(1 for r in self.rows() if r.record is not None or r.bad is not None)
+
+    def fingerprint(self) -> str:
+        """The input's content (local: its bytes; S3: keys, sizes and ETags), for the plan cache key."""
+        h = hashlib.sha256()
+        for f in self.files:
+            h.update(f"{f.short}\0{f.size}\0{f.version}\0".encode())
+            if not f.name.startswith("s3://"):
+                with open(f.name, "rb") as fh:
+                    while chunk := fh.read(8 << 20):
+                        h.update(chunk)
+        return h.hexdigest()[:24]
+
+    def describe_failure(self) -> str:
+        """What the input looks like, for a run in which no row could be read."""
+        looks = []
+        for f in self.files[:3]:
+            try:
+                looks.append(f"{f.short} looks like {looks_like(self.head(f))}")
+            except OSError:
+                pass
+        return "; ".join(looks)
+
+
+def _supported(name: str) -> bool:
+    return name.lower().endswith(SUFFIXES)
+
+
+class _BodyReader(io.RawIOBase):
+    """A botocore StreamingBody as a raw stream, so it can be buffered, peeked and decompressed."""
+
+    def __init__(self, body):
+        self.body = body
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        data = self.body.read(len(b))
+        b[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        self.body.close()
+        super().close()
+
+
+def _decompressed(raw, kind: str):
+    if kind == GZIP:
+        return io.BufferedReader(gzip.GzipFile(fileobj=raw), buffer_size=1 << 20)
+    if kind == ZSTD:
+        import zstandard
+
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True),
+                                 buffer_size=1 << 20)
+    return raw
+
+
+def _json_lines(stream) -> Iterator[tuple[int, dict | None, str | None]]:
+    try:
+        for lineno, raw in enumerate(stream, start=1):
+            if not raw.strip():
+                yield lineno, None, None
+                continue
+            try:
+                yield lineno, parse_line(raw), None
+            except BadRecord as e:
+                yield lineno, None, str(e)
+    except (OSError, EOFError) as e:  # a corrupt or truncated compressed stream
+        raise UsageError(f"cannot decompress the dataset: {e}") from None
+
+
+def parse_line(raw: bytes) -> dict:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadRecord(f"line is not valid UTF-8 (byte {e.start})") from None
+    try:
+        rec = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadRecord(f"invalid JSON: {e.msg} at column {e.colno}") from None
+    if not isinstance(rec, dict):
+        raise BadRecord("line is not a JSON object")
+    return rec
+
+
+def _table_rows(source, kind: str) -> Iterator[tuple[int, dict, None]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if kind == PARQUET:
+        batches = pq.ParquetFile(source).iter_batches(batch_size=ROW_BATCH)
+    elif kind == ARROW_FILE:
+        reader = pa.ipc.open_file(source)
+        batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+    else:
+        batches = pa.ipc.open_stream(source)
+    row = 0
+    for batch in batches:
+        for start in range(0, batch.num_rows, ROW_BATCH):
+            for rec in batch.slice(start, ROW_BATCH).to_pylist():
+                row += 1
+                yield row, rec, None
