@@ -200,6 +200,11 @@ def _building(path: Path):
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    from transformers.utils import logging as hf_logging
+
+    quiet = hf_logging.is_progress_bar_enabled()
+    if quiet:  # a sub-second save: no "Writing model shards" bar on the first run's stderr
+        hf_logging.disable_progress_bar()
     try:
         yield tmp
         try:
@@ -208,6 +213,8 @@ def _building(path: Path):
             if not (path / "config.json").exists():
                 raise
     finally:
+        if quiet:
+            hf_logging.enable_progress_bar()
         shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -20,6 +20,7 @@ from typing import Iterable, Iterator
 from . import faults
 from .dataset import Sample
 from .errors import UsageError, VxError
+from .logs import engine_output, vllm_log_path
 from .vllm_contract import check_vllm_contract
 from .vllm_worker import WARMUP_PREFIX
 
@@ -59,6 +60,12 @@ def request_params(s: Sample):
     return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
                           extra_args={"vx_id": s.id, "vx_line": s.line, "vx_mask": bytes(s.loss_mask),
                                       "vx_keep": len(s)})
+
+
+def tokens_input(ids: list[int]) -> dict:
+    """A prompt already in token ids, in the engine's own input form (vllm.inputs.engine
+    TokensInput, the same in 0.32 and 0.33): no renderer pass, vLLM's input checks still run."""
+    return {"type": "token", "prompt_token_ids": ids}
 
 
 def prompt_ids(s: Sample) -> list[int]:
@@ -111,14 +118,29 @@ def engine_kwargs(model_dir: Path, layer_ids: list[int], *, on_cpu: bool, vision
 class VllmExtractor:
     """One vLLM engine with vx's capture connector; `run()` can be called repeatedly."""
 
-    def __init__(self, model_dir: Path, layer_ids: list[int], **options):
+    def __init__(self, model_dir: Path, layer_ids: list[int], log_file: Path | None = None, verbose: bool = False,
+                 **options):
+        """log_file: where vLLM's log and its processes' output go (vx/logs.py); None = stderr."""
+        if list(layer_ids) != sorted(set(layer_ids)):
+            raise UsageError(f"layer ids must be sorted and distinct, got {layer_ids}")
+        try:
+            with engine_output(log_file, verbose):
+                self._start(model_dir, layer_ids, options)
+        except VxError:
+            raise
+        except Exception as e:  # the details went to the log file
+            if log_file is None or verbose:
+                raise
+            raise VxError(f"the vLLM engine failed to start ({type(e).__name__}: {str(e)[:300]}); "
+                          f"its log: {log_file}") from e
+        self.warmup_s = self.warm_up()
+
+    def _start(self, model_dir: Path, layer_ids: list[int], options: dict) -> None:
         _cpu_env(options.get("tensor_parallel_size", 1))
         import torch
 
         from .reaper import Reaper
 
-        if list(layer_ids) != sorted(set(layer_ids)):
-            raise UsageError(f"layer ids must be sorted and distinct, got {layer_ids}")
         kwargs = engine_kwargs(model_dir, layer_ids, on_cpu=not torch.cuda.is_available(), **options)
         check_vllm_contract(kwargs)  # before any weight loads: one line naming what is missing
         from vllm import LLM
@@ -132,7 +154,6 @@ class VllmExtractor:
         self.max_num_batched_tokens = config.scheduler_config.max_num_batched_tokens
         self.max_model_len = config.model_config.max_model_len
         self.enforce_eager = config.model_config.enforce_eager
-        self.warmup_s = self.warm_up()
 
     @staticmethod
     def _warmup_params():
@@ -150,7 +171,7 @@ class VllmExtractor:
             n *= 4
         sizes.append(min(self.max_num_batched_tokens, self.max_model_len - 1))
         for i, size in enumerate(sizes):
-            self.engine.add_request(f"{WARMUP_PREFIX}{i}", {"prompt_token_ids": [1] * size}, self._warmup_params())
+            self.engine.add_request(f"{WARMUP_PREFIX}{i}", tokens_input([1] * size), self._warmup_params())
         while self.engine.has_unfinished_requests():
             self.engine.step()
         return time.perf_counter() - t0
@@ -187,7 +208,7 @@ class VllmExtractor:
                         lines[s.id] = s.line
                         seq += 1
                     for key, s in new:
-                        self.engine.add_request(key, {"prompt_token_ids": prompt_ids(s)}, request_params(s))
+                        self.engine.add_request(key, tokens_input(prompt_ids(s)), request_params(s))
                         in_flight[key] = s
                         submitted += 1
                 if not in_flight:
@@ -244,7 +265,8 @@ def run_vllm(cfg, model_dir, info, layer_ids, samples, shard_args, bar, t0, erro
     if cfg.dtype not in ("auto", "bfloat16", "float16", "float32"):
         raise UsageError(f"--dtype {cfg.dtype} is not supported by the vllm backend")
     t_load = time.perf_counter()
-    ex = VllmExtractor(model_dir, layer_ids, vision_language=info.vision_language, dtype=cfg.dtype,
+    ex = VllmExtractor(model_dir, layer_ids, log_file=vllm_log_path(cfg.output), verbose=cfg.verbose,
+                       vision_language=info.vision_language, dtype=cfg.dtype,
                        max_model_len=cfg.max_length + 1 if cfg.max_length else None,
                        max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
                        gpu_memory_utilization=cfg.gpu_memory_utilization,

@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from . import fast_exit
 from .capture import Finished
 
 if TYPE_CHECKING:
@@ -70,6 +71,7 @@ def hidden_state_group(kv_cache_config: KVCacheConfig | None) -> int:
 class VxCaptureConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        fast_exit.install()  # this runs in the engine core and in each worker process
         self._group = hidden_state_group(kv_cache_config)
         self._block_size = kv_cache_config.kv_cache_groups[self._group].kv_cache_spec.block_size
         self._finished: list[Finished] = []  # scheduler side: to the worker with the next step

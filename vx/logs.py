@@ -1,0 +1,62 @@
+"""Where vLLM's output goes.
+
+By default the terminal keeps vx's progress bar, vx's own messages and vLLM's warnings from
+this process; vLLM's full log (INFO) and everything its engine processes print (their logs,
+Triton and NUMA notices, load progress bars, exit diagnostics) go to OUT/logs/vllm.log. The
+engine processes inherit the driver's stderr when they are started, so for the engine's start
+the driver's stderr is pointed at the log file; after it, the driver's vLLM logger writes INFO
+to the file and WARNING and up to the terminal. `-v/--verbose` leaves everything on stderr.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from pathlib import Path
+
+LOG_DIR = "logs"
+VLLM_LOG = "vllm.log"
+
+
+def vllm_log_path(out: Path) -> Path:
+    return Path(out) / LOG_DIR / VLLM_LOG
+
+
+@contextlib.contextmanager
+def engine_output(log_file: Path | None, verbose: bool = False):
+    """Run the engine's start inside this; see the module docstring."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    if verbose or log_file is None:
+        yield
+        return
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    sys.stderr.flush()
+    saved = os.dup(2)
+    fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 2)
+    os.close(fd)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        _split_driver_log(log_file)
+
+
+def _split_driver_log(log_file: Path) -> None:
+    """The driver's vLLM logger from now on: INFO to the file, WARNING and up to the terminal."""
+    logger = logging.getLogger("vllm")
+    if any(getattr(h, "_vx", False) for h in logger.handlers):
+        return
+    fmt = next((h.formatter for h in logger.handlers if h.formatter is not None), None)
+    for h in logger.handlers:
+        h.setLevel(logging.WARNING)
+    to_file = logging.FileHandler(log_file)
+    to_file._vx = True
+    to_file.setLevel(logging.DEBUG)
+    if fmt is not None:
+        to_file.setFormatter(fmt)
+    logger.addHandler(to_file)
