@@ -1,5 +1,6 @@
 """A small HTTP proxy in front of the S3 server that injects what real object stores do:
-503 SlowDown throttling on a share of requests, and 403 InvalidAccessKeyId for a bad key."""
+503 SlowDown throttling on a share of requests, and 403 InvalidAccessKeyId for a bad key; it
+also counts the requests that arrive while the server behind it is down."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ class FaultyProxy:
     def __init__(self, upstream_port: int, fail_every: int = 0, bad_key: str | None = None):
         self.upstream_port, self.fail_every, self.bad_key = upstream_port, fail_every, bad_key
         self.requests = self.injected = 0
+        self.unreachable = 0  # requests that arrived while the upstream server was down
         self.lock = threading.Lock()
         proxy = self
 
@@ -45,7 +47,13 @@ class FaultyProxy:
                 conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=60)
                 headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
                 headers["Host"] = f"127.0.0.1:{proxy.upstream_port}"
-                conn.request(self.command, self.path, body=body, headers=headers)
+                try:
+                    conn.request(self.command, self.path, body=body, headers=headers)
+                except ConnectionRefusedError:  # the server is down: the client sees its connection dropped
+                    with proxy.lock:
+                        proxy.unreachable += 1
+                    self.close_connection = True
+                    return
                 resp = conn.getresponse()
                 data = resp.read()
                 self.send_response(resp.status)

@@ -69,7 +69,7 @@ def test_output_to_s3_holds_a_readable_dataset_and_local_disk_stays_bounded(s3_s
     ds = vx.open_dataset(tmp_path / "copy")  # a plain copy of the prefix opens as a dataset
     assert sorted(ds.ids) == sorted(f"s{i}" for i in range(24))
     assert ds["s3"]["hidden_states"].shape[0] == len(ds["s3"]["input_ids"])
-    staged = tmp_path / "cache" / "staging" / "vx-out" / "run1"
+    [staged] = (tmp_path / "cache" / "staging").glob("*/vx-out/run1")
     assert not list(staged.glob("shard-*.safetensors"))  # uploaded, verified, deleted locally
     assert "vx-test-secret" not in r.stdout + r.stderr
     # vx verify reads the S3 prefix directly: checksums in place, a few samples recomputed
@@ -153,20 +153,20 @@ def test_bad_credentials_fail_before_any_compute(s3_server, tmp_path, tiny_model
 
 
 def test_the_run_survives_an_s3_outage(tmp_path, tiny_model):
+    import os
     import subprocess
     import sys
     import time
 
-    from s3_faults import free_port
+    from s3_faults import FaultyProxy, free_port
 
     port = free_port()
     server, url, client = start_s3(port)
-    import os
-
+    proxy = FaultyProxy(port).__enter__()  # counts the requests that find the server down
     env = dict(os.environ, **CREDS, VX_CACHE_DIR=str(tmp_path / "cache"))
     proc = subprocess.Popen([sys.executable, "-m", "vx", "extract", str(data_file(tmp_path, n=60)), "-o",
-                             "s3://vx-out/outage", "--endpoint-url", url, "--backend", "hf", "--shard-size", "0.2",
-                             "--batch-size", "2", "--max-local-gb", "0.01", "--json"],
+                             "s3://vx-out/outage", "--endpoint-url", proxy.url, "--backend", "hf", "--shard-size",
+                             "0.2", "--batch-size", "2", "--max-local-gb", "0.01", "--json"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         deadline = time.time() + 120
@@ -174,7 +174,11 @@ def test_the_run_survives_an_s3_outage(tmp_path, tiny_model):
             time.sleep(0.2)
         assert proc.poll() is None, "run finished before the outage could start"
         server.stop()  # the endpoint goes away mid-run ...
-        time.sleep(4)
+        deadline = time.time() + 30
+        while time.time() < deadline and not proxy.unreachable:
+            time.sleep(0.1)
+        time.sleep(3)
+        assert proxy.unreachable > 0 and proc.poll() is None  # the run's requests did meet the outage
         server, _, _ = start_s3(port, create_bucket=False)  # ... and comes back (same store)
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err[-2000:]
@@ -188,6 +192,7 @@ def test_the_run_survives_an_s3_outage(tmp_path, tiny_model):
     finally:
         if proc.poll() is None:
             proc.kill()
+        proxy.__exit__(None, None, None)
         server.stop()
 
 
@@ -206,3 +211,55 @@ def test_another_layer_set_against_the_same_prefix_is_refused_unless_overwrite(s
     download(client, "vx-out", "run4", tmp_path / "copy")
     ds = vx.open_dataset(tmp_path / "copy")
     assert ds.layer_ids == [1, 3] and sorted(ds.ids) == sorted(f"s{i}" for i in range(24))
+
+
+def test_an_emptied_prefix_or_another_endpoint_starts_fresh_instead_of_failing(s3_server, tmp_path, tiny_model):
+    from s3_faults import free_port
+
+    url, client = s3_server
+    data = data_file(tmp_path)
+    env = dict(CREDS, VX_CACHE_DIR=str(tmp_path / "cache"))
+
+    def run(endpoint):
+        return vx_cmd("extract", str(data), "-o", "s3://vx-out/stale", "--endpoint-url", endpoint, "--backend", "hf",
+                      "--json", env=env)
+
+    assert run(url).returncode == 0
+    for obj in client.list_objects_v2(Bucket="vx-out", Prefix="stale/")["Contents"]:  # someone empties the prefix
+        client.delete_object(Bucket="vx-out", Key=obj["Key"])
+    again = run(url)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "holds no extraction; discarding the stale local staging" in again.stderr
+    assert json.loads(again.stdout)["samples"] == 24
+    download(client, "vx-out", "stale", tmp_path / "copy")
+    assert sorted(vx.open_dataset(tmp_path / "copy").ids) == sorted(f"s{i}" for i in range(24))
+    other, other_url, other_client = start_s3(free_port())  # the same bucket name at another endpoint
+    try:
+        elsewhere = run(other_url)
+        assert elsewhere.returncode == 0, elsewhere.stderr[-2000:]
+        assert json.loads(elsewhere.stdout)["samples"] == 24 and "discarding" not in elsewhere.stderr
+        download(other_client, "vx-out", "stale", tmp_path / "copy2")
+        assert len(vx.open_dataset(tmp_path / "copy2")) == 24
+    finally:
+        other.stop()
+
+
+def test_committed_shards_lost_from_a_prefix_are_redone_with_a_notice(s3_server, tmp_path, tiny_model):
+    url, client = s3_server
+    data = data_file(tmp_path)
+    env = dict(CREDS, VX_CACHE_DIR=str(tmp_path / "cache"))
+    args = ["extract", str(data), "-o", "s3://vx-out/lost", "--endpoint-url", url, "--backend", "hf",
+            "--shard-size", "0.2", "--json"]
+    first = vx_cmd(*args, env=env)
+    assert first.returncode == 0, first.stderr[-2000:]
+    body = client.get_object(Bucket="vx-out", Key="lost/manifest.jsonl")["Body"].read().decode().splitlines()
+    gone = json.loads(body[0])  # its object and its manifest line disappear from S3
+    client.delete_object(Bucket="vx-out", Key=f"lost/{gone['shard']}")
+    client.put_object(Bucket="vx-out", Key="lost/manifest.jsonl", Body="".join(x + "\n" for x in body[1:]).encode())
+    again = vx_cmd(*args, env=env)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "1 committed shards are neither staged nor in s3://vx-out/lost" in again.stderr
+    assert json.loads(again.stdout)["samples"] == len(gone["sample_ids"])
+    download(client, "vx-out", "lost", tmp_path / "copy")
+    ds = vx.open_dataset(tmp_path / "copy")
+    assert sorted(ds.ids) == sorted(f"s{i}" for i in range(24)) and len(ds.ids) == 24

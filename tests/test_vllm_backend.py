@@ -6,6 +6,7 @@ That is the bf16 floor of this random tiny model, not vLLM error: HF itself in b
 per-token cosine of 0.99980 against the same fp32 reference; vLLM's observed worst is 0.99989
 (last layer of the 1,500-token sample) and 0.02 relative max |diff|."""
 
+import json
 import random
 
 import pytest
@@ -37,8 +38,20 @@ def hf_reference(model_dir, samples, layer_ids):
 
 
 def extract(engine, samples, out, hidden):
-    engine.run(samples, out, {"model": "test"}, 10**7, 0, hidden, "bf16")
+    engine.run(samples, out, {"model": "test", "layer_ids": json.dumps(engine.layer_ids)}, 10**7, 0, hidden, "bf16")
     return vx.open_dataset(out)
+
+
+def stored_layer_labels(out) -> list[int]:
+    """The layer ids every shard says it holds (its safetensors metadata), all the same."""
+    from safetensors import safe_open
+
+    labels = set()
+    for f in sorted(out.glob("shard-*.safetensors")):
+        with safe_open(str(f), "pt") as sf:
+            labels.add(tuple(json.loads(sf.metadata()["layer_ids"])))
+    assert len(labels) == 1, labels
+    return list(labels.pop())
 
 
 def assert_matches(ds, samples, reference, cos_min=COS_MIN, rel_max=REL_MAX):
@@ -73,8 +86,9 @@ def test_qwen3_5_hybrid_gdn_matches_hf_under_continuous_batching(qwen35_engine, 
     samples = mixed_samples(500)
     assert len(samples) > 4 * MAX_SEQS and max(map(len, samples)) > MAX_BATCHED
     ds = extract(qwen35_engine, samples, tmp_path, 256)
-    assert ds.layer_ids == [] or ds.layer_ids == list(range(8))
-    assert_matches(ds, samples, hf_reference(tiny_model, samples, list(range(8))))
+    labels = stored_layer_labels(tmp_path)
+    assert labels == list(range(8))  # what the engine was asked for ...
+    assert_matches(ds, samples, hf_reference(tiny_model, samples, labels))  # ... is what the states are
 
 
 def test_the_engine_is_reusable_and_rejects_what_it_cannot_hold(qwen35_engine, tiny_model, tmp_path):

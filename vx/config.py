@@ -64,10 +64,11 @@ class ExtractConfig:
         if str(self.output).startswith("s3://"):  # stage locally, mirror to S3
             if self.upload and self.upload != str(self.output):
                 raise UsageError("-o s3://... and --upload name two different targets")
-            from .s3 import parse_s3_url, staging_dir
+            from .output import staging_dir
+            from .s3 import parse_s3_url
 
             self.upload = str(self.output)
-            self.output = staging_dir(parse_s3_url(self.upload))
+            self.output = staging_dir(parse_s3_url(self.upload), self.endpoint_url)
             self.staged = True
         if self.upload:
             from .s3 import parse_s3_url

@@ -15,9 +15,9 @@ from .dataset import BadLine, Sample, Tokenize, read_samples
 from .errors import UsageError, VxError
 from .layers import check_layer_ids, default_layer_ids
 from .model import load_tokenizer, model_info, resolve_model
-from .output import ErrorLog, claim_root, clear_partitions, committed_ids_under, output_lock, prepare_output
+from .output import ErrorLog, Output
 from .progress import RunProgress
-from .shard_file import RUN_META
+from .shard_file import ERRORS
 from .shards import ShardWriter
 
 
@@ -111,29 +111,9 @@ def check_dataset(cfg: ExtractConfig, job: Job) -> None:
             raise UsageError(f"{item.where}: {item.reason} (id {item.id!r}); --strict stops before any compute")
 
 
-def clear_or_fetch(cfg: ExtractConfig, target) -> None:
-    """--overwrite deletes the earlier extraction at cfg.output (its S3 prefix and partitions too);
-    otherwise a machine without local state fetches the S3 one, to resume from it."""
-    if target is not None:
-        from .s3 import clear_remote, fetch_remote_state
-
-        if cfg.overwrite:
-            clear_remote(target, cfg.endpoint_url)
-        else:
-            fetch_remote_state(target, cfg.endpoint_url, cfg.output)
-    if cfg.overwrite:
-        clear_partitions(cfg.output)
-
-
 def prepare_root(cfg: ExtractConfig, job: Job) -> None:
     """Launchers, once before their workers start: --overwrite, identity, root vx.json (local and S3)."""
-    clear_or_fetch(cfg, job.target)
-    with output_lock(cfg.output):
-        prepare_output(cfg.output, job.meta, cfg.overwrite)
-    if job.target is not None:
-        from .s3 import put_file
-
-        put_file(job.target, cfg.endpoint_url, cfg.output / RUN_META, RUN_META)
+    Output.of(cfg).prepare_root(job.meta, cfg.overwrite)
 
 
 def run_extract(cfg: ExtractConfig, progress: bool | None = None, reporter=None) -> Summary:
@@ -142,40 +122,28 @@ def run_extract(cfg: ExtractConfig, progress: bool | None = None, reporter=None)
     job = prepare_job(cfg)
     if cfg.strict and not cfg.plan_file:  # a launcher (which hands out plan files) checked it once
         check_dataset(cfg, job)
-    lines, elsewhere = None, set()
+    root = out = Output.of(cfg)
+    lines = None
     if cfg.partitioned:
-        cfg, lines, elsewhere = _enter_partition(cfg, job)
-    target = None
-    if cfg.upload:
-        from .s3 import parse_s3_url
-
-        target = parse_s3_url(cfg.upload)
-    clear_or_fetch(cfg, target)
-    if not cfg.partitioned:  # partitions of an earlier data-parallel run count as done
-        if target is not None and not cfg.overwrite:
-            from .s3 import remote_committed_ids
-
-            elsewhere |= remote_committed_ids(target, cfg.endpoint_url)
-        elsewhere |= committed_ids_under(cfg.output, exclude=cfg.output)
-    with output_lock(cfg.output):
-        return _extract_locked(cfg, job, target, lines, elsewhere, progress, reporter, t0)
+        cfg, out, lines = _enter_partition(cfg, job, root)
+    out.reset_or_sync(cfg.overwrite)
+    elsewhere = root.committed_elsewhere(exclude=out)  # other partitions, of this run or an earlier one
+    with out.lock():
+        return _extract_locked(cfg, job, out, lines, elsewhere, progress, reporter, t0)
 
 
-def _extract_locked(cfg, job, target, lines, elsewhere, progress, reporter, t0) -> Summary:
+def _extract_locked(cfg, job, out: Output, lines, elsewhere, progress, reporter, t0) -> Summary:
     meta, info, layer_ids = job.meta, job.info, job.layer_ids
-    state = prepare_output(cfg.output, meta, cfg.overwrite)
+    state = out.open(meta, cfg.overwrite)
+    if out.staged:
+        out.publish_meta()  # from now on the S3 prefix holds this extraction
     skip = frozenset(state.committed_ids | elsewhere)
     shard_meta = {k: json.dumps(v) if isinstance(v, list) else str(v) for k, v in meta.items()}
     max_local = int(cfg.max_local_gb * 1e9) if cfg.max_local_gb else None
     shard_args = (shard_meta, int(cfg.shard_size_mb * 1e6), state.next_shard, info.hidden_size, cfg.store_dtype,
                   max_local, cfg.compress)
     errors = ErrorLog(cfg.output)
-    uploader = None
-    if target is not None:
-        from .s3 import Uploader
-
-        uploader = Uploader(cfg.output, target, cfg.endpoint_url, keep_local=cfg.keep_local,
-                            max_local_bytes=max_local).start()
+    uploader = out.uploader(cfg.keep_local, max_local)
     total = len(lines) if lines is not None else job.source.count()
     total = None if total is None else max(0, total - len(state.committed_ids))
     bar = reporter if reporter is not None else RunProgress(total, enabled=progress)
@@ -224,7 +192,7 @@ def _extract_locked(cfg, job, target, lines, elsewhere, progress, reporter, t0) 
     up = uploader.finish() if uploader is not None else {}
     load_s, warmup_s, extract_s, n, tokens = stats
     return Summary(str(cfg.output), job.backend, n, tokens, errors.count, len(state.committed_ids),
-                   shards, nbytes, load_s, warmup_s, extract_s, str(target) if target else None,
+                   shards, nbytes, load_s, warmup_s, extract_s, str(out.target) if out.target else None,
                    up.get("uploaded_bytes", 0), up.get("upload_mb_s", 0.0), peak_local)
 
 
@@ -232,41 +200,28 @@ def require_samples(cfg: ExtractConfig, s: Summary) -> None:
     """A run in which no record could be read is a failure, not an empty success."""
     if s.samples or s.resumed_samples:
         return
-    from .output import output_dirs
-    from .shard_file import ERRORS
-
     source = cfg.source()
     if not s.errors:
         raise UsageError(f"{source} holds no records")
-    first = next((json.loads(line) for d in output_dirs(cfg.output) if (d / ERRORS).exists()
-                  for line in open(d / ERRORS) if line.strip()), {})
+    first = Output.of(cfg).first_error()
     where = f"{first.get('file')}:{first.get('row')}" if first.get("file") else f"row {first.get('line')}"
     looks = source.describe_failure()
     raise UsageError(f"no sample could be read from {source}: all {s.errors:,} records are bad (first, {where}: "
                      f"{first.get('reason')})" + (f"; {looks}" if looks else "") + f". See {cfg.output / ERRORS}")
 
 
-def _enter_partition(cfg: ExtractConfig, job: Job):
-    """A partition worker: join the root output, find its lines, and what other partitions (of
-    this run, or of an earlier run with another partition count) already committed. Returns the
-    config narrowed to the partition's own directory and S3 prefix."""
+def _enter_partition(cfg: ExtractConfig, job: Job, root: Output):
+    """A partition worker: join the root output and find its rows. Returns the config narrowed
+    to the partition's own directory and S3 prefix, that partition's Output, and its rows."""
     from .partition import lines_of, load_or_make_plan, part_name
 
-    root, name = cfg.output, part_name(cfg.partition_index, cfg.num_partitions)
-    clear_or_fetch(cfg, job.target)  # the root's vx.json from S3 (--overwrite is refused here)
-    claim_root(root, job.meta)
+    root.join(job.meta)
+    name = part_name(cfg.partition_index, cfg.num_partitions)
     plan = Path(cfg.plan_file) if cfg.plan_file else load_or_make_plan(
-        root, job.source, job.model_dir, job.info.fingerprint, cfg.num_partitions, cfg.reading())
-    lines = lines_of(plan, cfg.partition_index)
-    elsewhere = committed_ids_under(root, exclude=root / name)
-    upload = None
-    if job.target is not None:
-        from .s3 import put_file, remote_committed_ids
-
-        put_file(job.target, cfg.endpoint_url, root / RUN_META, RUN_META)
-        elsewhere |= remote_committed_ids(job.target, cfg.endpoint_url, exclude=name)
-        upload = f"{str(job.target).rstrip('/')}/{name}"
-    return replace(cfg, output=root / name, upload=upload, staged=False), lines, elsewhere
+        root.local, job.source, job.model_dir, job.info.fingerprint, cfg.num_partitions, cfg.reading())
+    out = root.partition(name)
+    upload = str(out.target) if out.target is not None else None
+    return replace(cfg, output=out.local, upload=upload, staged=False), out, lines_of(plan, cfg.partition_index)
 
 
 def _run_hf(cfg, model_dir, layer_ids, tokenizer, samples, writer, bar, t0):

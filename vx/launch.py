@@ -25,7 +25,7 @@ from pathlib import Path
 
 from .config import ExtractConfig
 from .errors import UsageError, VxError
-from .output import committed_ids_under
+from .output import Output
 from .progress import RunProgress
 
 LOG_DIR = "logs"
@@ -144,7 +144,7 @@ def run_data_parallel(cfg: ExtractConfig, progress: bool | None = None):
     cpu_share = None if "CUDA_VISIBLE_DEVICES" in slots[0] else 0.3 / len(slots)
     logs = Path(cfg.output) / LOG_DIR
     logs.mkdir(parents=True, exist_ok=True)
-    bar = RunProgress(sum(balance["lines"]) - len(committed_ids_under(cfg.output)), enabled=progress)
+    bar = RunProgress(sum(balance["lines"]) - len(Output.of(cfg).committed_elsewhere()), enabled=progress)
     tally, events = Tally(bar), queue.Queue()
     todo = list(range(cfg.num_partitions))
     running: dict[int, tuple] = {}  # slot -> (proc, partition, start, log, stdout reader)

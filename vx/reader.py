@@ -17,8 +17,7 @@ import torch
 from torch.utils.data import Dataset
 
 from .errors import UsageError
-from .output import output_dirs
-from .shard_file import RUN_META, read_manifest
+from .shard_file import RUN_META, output_dirs, read_manifest
 from .storage import decode
 
 _TORCH_DTYPE = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I32": torch.int32,

@@ -103,9 +103,26 @@ def fetch_remote_state(target: S3Target, endpoint_url: str | None, out: Path) ->
     return got
 
 
+def remote_manifest(target: S3Target, endpoint_url: str | None, client=None) -> list[dict]:
+    """The records of the manifest at target (not its partitions'); [] when there is none."""
+    from botocore.exceptions import ClientError
+
+    client = client or make_client(endpoint_url)
+    try:
+        body = client.get_object(Bucket=target.bucket, Key=target.key(MANIFEST))["Body"].read()
+    except ClientError:
+        return []
+    return [json.loads(line) for line in body.decode().splitlines() if line.strip()]
+
+
+def remote_has_extraction(target: S3Target, endpoint_url: str | None) -> bool:
+    """Whether any vx file (vx.json, a manifest, a shard; root or partitions) is under target."""
+    return next(layout_names(make_client(endpoint_url), target), None) is not None
+
+
 def layout_names(client, target: S3Target):
     """(key, name relative to the prefix) of every vx file under target: root and part-*/ files."""
-    from .output import PART_RE
+    from .shard_file import PART_RE
 
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=target.bucket, Prefix=target.key("")):
         for obj in page.get("Contents", []):
@@ -115,9 +132,9 @@ def layout_names(client, target: S3Target):
                 yield obj["Key"], name
 
 
-def remote_committed_ids(target: S3Target, endpoint_url: str | None, exclude: str = "") -> set[str]:
+def remote_committed_ids(target: S3Target, endpoint_url: str | None, exclude: str | None = "") -> set[str]:
     """Sample ids in every S3 manifest under target (root and partitions) but the one in `exclude`
-    (a partition's directory name, or "" for the root)."""
+    (a partition's directory name, "" for the root, None for none)."""
     client = make_client(endpoint_url)
     ids: set[str] = set()
     for key, name in layout_names(client, target):
@@ -195,13 +212,7 @@ class Uploader:
         return self
 
     def _remote_manifest(self) -> list[dict]:
-        from botocore.exceptions import ClientError
-
-        try:
-            body = self.client.get_object(Bucket=self.target.bucket, Key=self.target.key(MANIFEST))["Body"].read()
-        except ClientError:
-            return []
-        return [json.loads(line) for line in body.decode().splitlines() if line.strip()]
+        return remote_manifest(self.target, None, self.client)
 
     def _new_records(self) -> list[dict]:
         path = self.out / MANIFEST
@@ -241,7 +252,9 @@ class Uploader:
     def _upload(self, rec: dict) -> None:
         path = self.out / rec["shard"]
         if not path.exists():
-            raise VxError(f"{rec['shard']} is committed but neither local nor in {self.target}")
+            raise VxError(f"{rec['shard']} is committed in {self.out / MANIFEST} but is neither there nor in "
+                          f"{self.target} (deleted after upload, and the S3 copy is gone): restore it to S3, or "
+                          "rerun with --overwrite to start this output over")
         key = self.target.key(rec["shard"])
         t = time.perf_counter()
         faults.point("before-upload")
@@ -287,9 +300,3 @@ class Uploader:
         if self.error is not None:
             raise VxError(f"upload to {self.target} failed: {self.error}") from self.error
         return {"uploaded_bytes": self.bytes, "upload_mb_s": self.bytes / self.seconds / 1e6 if self.seconds else 0.0}
-
-
-def staging_dir(target: S3Target) -> Path:
-    from .tiny import cache_dir
-
-    return cache_dir() / "staging" / target.bucket / (target.prefix or "_root")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -108,6 +109,23 @@ def _buffers(head: bytes, tensors: dict[str, list[torch.Tensor]]):
     for pieces in tensors.values():
         for p in pieces:
             yield memoryview(p.contiguous().view(torch.uint8).numpy())
+
+
+# A partition's own output directory under the root: part-00003-of-00008/
+PART_RE = re.compile(r"^part-\d{5}-of-\d{5}$")
+
+
+def part_dirs(root: Path) -> list[Path]:
+    """Partition outputs under root (any partition count, e.g. an 8-way run resumed 4-way), sorted."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and PART_RE.match(p.name))
+
+
+def output_dirs(root: Path) -> list[Path]:
+    """Every directory whose manifest is part of the dataset at root: root itself, then partitions."""
+    return [Path(root)] + part_dirs(root)
 
 
 def read_manifest(out_dir: Path) -> list[dict]:
