@@ -26,6 +26,29 @@ def start_s3(port: int, create_bucket: bool = True):
     return server, url, client
 
 
+def start_s3_process(port: int):
+    """moto's S3 server in its own process (its own store), with the bucket vx-out."""
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    client = boto3.client("s3", endpoint_url=url, region_name="us-east-1", aws_access_key_id="vx-test",
+                          aws_secret_access_key="vx-test-secret")
+    deadline = time.time() + 60
+    while True:
+        try:
+            client.create_bucket(Bucket="vx-out")
+            return proc, url, client
+        except Exception:
+            if time.time() > deadline:
+                proc.kill()
+                raise
+            time.sleep(0.3)
+
+
 @pytest.fixture(scope="module")
 def s3_server():
     from s3_faults import free_port
@@ -233,15 +256,20 @@ def test_an_emptied_prefix_or_another_endpoint_starts_fresh_instead_of_failing(s
     assert json.loads(again.stdout)["samples"] == 24
     download(client, "vx-out", "stale", tmp_path / "copy")
     assert sorted(vx.open_dataset(tmp_path / "copy").ids) == sorted(f"s{i}" for i in range(24))
-    other, other_url, other_client = start_s3(free_port())  # the same bucket name at another endpoint
+    # the same bucket name at another endpoint: another store (a second moto server process; the
+    # servers of this process share one), another output
+    other, other_url, other_client = start_s3_process(free_port())
     try:
         elsewhere = run(other_url)
         assert elsewhere.returncode == 0, elsewhere.stderr[-2000:]
         assert json.loads(elsewhere.stdout)["samples"] == 24 and "discarding" not in elsewhere.stderr
         download(other_client, "vx-out", "stale", tmp_path / "copy2")
         assert len(vx.open_dataset(tmp_path / "copy2")) == 24
+        first = run(url)  # the first endpoint's output is intact
+        assert first.returncode == 0 and json.loads(first.stdout)["resumed_samples"] == 24
     finally:
-        other.stop()
+        other.kill()
+        other.wait()
 
 
 def test_committed_shards_lost_from_a_prefix_are_redone_with_a_notice(s3_server, tmp_path, tiny_model):

@@ -10,4 +10,14 @@ def open_dataset(path):
     return _open(path)
 
 
-__all__ = ["open_dataset", "__version__"]
+def loader(path, tokens_per_batch: int, **kwargs):
+    """Packed, shuffled, distributed, resumable training batches from a vx output (local or
+    s3://): see vx/batch_loader.py. `for batch in vx.loader("out/", tokens_per_batch=16384, rank=r,
+    world_size=w, seed=0, epoch=e)` -> dict of hidden_states [sum T, L, H], input_ids, loss_mask,
+    position_ids, cu_seqlens, sample_ids."""
+    from .batch_loader import Loader
+
+    return Loader(path, tokens_per_batch, **kwargs)
+
+
+__all__ = ["open_dataset", "loader", "__version__"]

@@ -246,7 +246,7 @@ class ShardWriter:
         if self.guard is not None:
             self.guard()
         record = {"shard": name, "sample_ids": s.ids, "num_samples": len(s.ids), "num_tokens": s.tokens,
-                  "bytes": nbytes, "sha256": sha}
+                  "sample_tokens": lengths, "bytes": nbytes, "sha256": sha}
         with open(self.out_dir / MANIFEST, "a") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()

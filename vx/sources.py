@@ -211,7 +211,22 @@ class Input:
         """Non-blank rows, for the progress bar's total; None where counting means a full download."""
         if any(f.name.startswith("s3://") for f in self.files):
             return None
-        return sum(1 for r in self.rows() if r.record is not None or r.bad is not None)
+        return sum(self._count_file(f) for f in self.files)
+
+    def _count_file(self, f: InputFile) -> int:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        with self._open(f) as raw:
+            kind = sniff(raw.peek(8)[:8])
+            if kind == PARQUET:
+                return pq.ParquetFile(f.name).metadata.num_rows
+            if kind == ARROW_FILE:
+                reader = pa.ipc.open_file(f.name)
+                return sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
+            if kind == ARROW_STREAM:
+                return sum(b.num_rows for b in pa.ipc.open_stream(raw))
+            return sum(1 for line in _decompressed(raw, kind) if line.strip())
 
     def fingerprint(self) -> str:
         """The input's content (local: its bytes; S3: keys, sizes and ETags), for the plan cache key."""
