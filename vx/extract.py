@@ -198,8 +198,8 @@ def _extract_locked(cfg, job, out: Output, lines, elsewhere, progress, reporter,
 
 def require_samples(cfg: ExtractConfig, s: Summary) -> None:
     """A run in which no record could be read is a failure, not an empty success."""
-    if s.samples or s.resumed_samples:
-        return
+    if s.samples or s.resumed_samples or Output.of(cfg).committed_elsewhere():
+        return  # something was extracted, now or before (in this output or its partitions)
     source = cfg.source()
     if not s.errors:
         raise UsageError(f"{source} holds no records")
