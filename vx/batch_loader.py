@@ -12,139 +12,19 @@ takes batches position + w, position + w + W, ... of its rank, which the DataLoa
 in order. `state_dict()` is {"epoch", "position", ...}; after `load_state_dict` the batches
 before position are skipped without reading anything.
 
-S3 outputs are read through a bounded local cache (vx/shard_cache.py).
+The catalog and the plan live in vx/train_plan.py; S3 outputs are read through a bounded local
+cache (vx/shard_cache.py).
 """
 
 from __future__ import annotations
 
-import json
 import sys
-from dataclasses import dataclass
-from pathlib import Path
 
-import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .errors import UsageError
-from .shard_file import RUN_META, output_dirs, read_manifest
 from .storage import decode
-
-
-@dataclass(frozen=True)
-class Entry:
-    shard: int    # index into Catalog.shards
-    row: int      # sample's row in its shard
-    tokens: int
-    id: str
-
-
-class Catalog:
-    """Every committed sample of an output (root and partitions), from its manifests."""
-
-    def __init__(self, path: str, endpoint_url: str | None = None):
-        self.path, self.endpoint_url = str(path), endpoint_url
-        self.remote = self.path.startswith("s3://")
-        if self.remote:
-            self.meta, self.shards = _remote_manifests(self.path, endpoint_url)
-        else:
-            root = Path(self.path)
-            if not (root / RUN_META).exists():
-                raise UsageError(f"{root} is not a vx output (no {RUN_META})")
-            self.meta = json.loads((root / RUN_META).read_text())
-            self.shards = [dict(r, shard=str(d.relative_to(root) / r["shard"]))
-                           for d in output_dirs(root) for r in read_manifest(d)]
-        self.by_shard: list[list[Entry]] = []
-        for i, rec in enumerate(self.shards):
-            lengths = rec.get("sample_tokens")
-            if lengths is None:  # outputs written before the manifest carried lengths
-                lengths = _lengths_from_shard(self, i)
-            self.by_shard.append([Entry(i, r, int(t), sid) for r, (sid, t) in enumerate(zip(rec["sample_ids"], lengths))])
-
-    @property
-    def num_samples(self) -> int:
-        return sum(len(s) for s in self.by_shard)
-
-
-def _remote_manifests(url: str, endpoint_url: str | None):
-    from .s3 import layout_names, make_client, parse_s3_url
-
-    target, client = parse_s3_url(url), make_client(endpoint_url)
-    meta, shards = None, []
-    for key, name in sorted(layout_names(client, target), key=lambda kn: kn[1]):
-        head, _, base = name.rpartition("/")
-        if base == RUN_META and not head:
-            meta = json.loads(client.get_object(Bucket=target.bucket, Key=key)["Body"].read())
-        elif base == "manifest.jsonl":
-            body = client.get_object(Bucket=target.bucket, Key=key)["Body"].read().decode()
-            for line in body.splitlines():
-                if line.strip():
-                    rec = json.loads(line)
-                    shards.append(dict(rec, shard=f"{head}/{rec['shard']}" if head else rec["shard"]))
-    if meta is None:
-        raise UsageError(f"{url} is not a vx output (no {RUN_META})")
-    return meta, shards
-
-
-def _lengths_from_shard(catalog: Catalog, i: int) -> list[int]:
-    from .reader import ShardFile
-
-    if catalog.remote:
-        raise UsageError(f"{catalog.shards[i]['shard']}: its manifest record has no sample_tokens (an output "
-                         "written before vx 0.1 loaders); read it locally, or re-extract")
-    offsets = ShardFile(Path(catalog.path) / catalog.shards[i]["shard"]).tensor("offsets")
-    return (offsets[1:] - offsets[:-1]).tolist()
-
-
-PAD = Entry(-1, -1, 0, "")  # first entry of a padding batch
-
-
-def plan_epoch(by_shard: list[list[Entry]], tokens_per_batch: int, world_size: int, seed: int, epoch: int,
-               shuffle: bool = True, shuffle_shards: int = 8) -> list[list[list[Entry]]]:
-    """Every rank's batches for one epoch (see the module docstring)."""
-    rng = np.random.default_rng([seed, epoch])
-    order = rng.permutation(len(by_shard)) if shuffle else np.arange(len(by_shard))
-    seq: list[Entry] = []
-    for w in range(0, len(order), shuffle_shards):
-        window = [e for s in order[w:w + shuffle_shards] for e in by_shard[s]]
-        seq += [window[i] for i in rng.permutation(len(window))] if shuffle else window
-    batches = pack(seq, tokens_per_batch)
-    batches = even_out(batches, world_size)
-    return [batches[r::world_size] for r in range(world_size)]
-
-
-def pack(seq: list[Entry], budget: int) -> list[list[Entry]]:
-    """In order, at most `budget` tokens per batch; a longer sample is a batch of its own."""
-    batches, cur, tokens = [], [], 0
-    for e in seq:
-        if cur and tokens + e.tokens > budget:
-            batches.append(cur)
-            cur, tokens = [], 0
-        cur.append(e)
-        tokens += e.tokens
-    if cur:
-        batches.append(cur)
-    return batches
-
-
-def even_out(batches: list[list[Entry]], world_size: int) -> list[list[Entry]]:
-    """Split multi-sample batches (the largest first) until the count divides world_size. When
-    no batch can be split, the last batches are repeated as padding (Batch.padding: zero loss)."""
-    batches = list(batches)
-    while len(batches) % world_size:
-        i = max(range(len(batches)), key=lambda k: (len(batches[k]), -k)) if batches else -1
-        if i < 0 or len(batches[i]) < 2:
-            break
-        b, half, acc = batches[i], 0, 0
-        total = sum(e.tokens for e in b)
-        while half < len(b) - 1 and acc + b[half].tokens <= total / 2:
-            acc += b[half].tokens
-            half += 1
-        half = max(1, half)
-        batches[i:i + 1] = [b[:half], b[half:]]
-    while batches and len(batches) % world_size:
-        batches.append([PAD] + [e for e in batches[-1] if e.shard >= 0])
-    return batches
+from .train_plan import Batch, Catalog, plan_epoch
 
 
 class Loader(IterableDataset):
@@ -177,11 +57,11 @@ class Loader(IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         self.epoch, self.position = epoch, 0
 
-    def batches(self) -> list[list[Entry]]:
+    def batches(self) -> list[Batch]:
         """This rank's plan for the current epoch (metadata only)."""
         key = (self.seed, self.epoch)
         if self._plan_key != key:
-            self._plan = plan_epoch(self.catalog.by_shard, self.tokens_per_batch, self.world_size, self.seed,
+            self._plan = plan_epoch(self.catalog, self.tokens_per_batch, self.world_size, self.seed,
                                     self.epoch, self.shuffle, self.shuffle_shards)[self.rank]
             self._plan_key = key
         return self._plan
@@ -216,12 +96,12 @@ class Loader(IterableDataset):
                     self.position = j + 1
                 yield batch
 
-    def _assemble(self, entries: list[Entry], shards) -> dict:
-        padding = bool(entries) and entries[0].shard < 0
-        entries = entries[1:] if padding else entries
-        heads = [shards.get(e.shard) for e in entries]
-        lengths = torch.tensor([e.tokens for e in entries], dtype=torch.int32)
-        cu = torch.zeros(len(entries) + 1, dtype=torch.int32)
+    def _assemble(self, batch: Batch, shards) -> dict:
+        cat, idx = self.catalog, batch.samples
+        heads = [shards.get(int(s)) for s in cat.shard_of[idx]]
+        rows = cat.row[idx].tolist()
+        lengths = torch.from_numpy(cat.tokens[idx].astype("int32"))
+        cu = torch.zeros(len(idx) + 1, dtype=torch.int32)
         cu[1:] = lengths.cumsum(0)
         total = int(cu[-1])
         pin = self.device is not None and self.device.type == "cuda"
@@ -236,24 +116,25 @@ class Loader(IterableDataset):
             out = {n: torch.empty(shape, dtype=dt, pin_memory=True) for n, (shape, dt) in shapes.items()}
         else:
             out = self._pool.tensors(shapes)
-        for k, (e, h) in enumerate(zip(entries, heads)):
-            a, b, lo, hi = int(h.offsets[e.row]), int(h.offsets[e.row + 1]), int(cu[k]), int(cu[k + 1])
+        for k, (row, h) in enumerate(zip(rows, heads)):
+            a, b, lo, hi = int(h.offsets[row]), int(h.offsets[row + 1]), int(cu[k]), int(cu[k + 1])
             for name, t in out.items():
                 h.rows(name, a, b, t[lo:hi])
         hidden, hscale = out.pop("hidden_states"), out.pop("hidden_scales", None)  # [T, L, H] in the store dtype
-        batch = {"input_ids": out["input_ids"].long(), "loss_mask": out["loss_mask"],
-                 "position_ids": torch.cat([torch.arange(int(t)) for t in lengths]) if len(lengths) else
-                 torch.zeros(0, dtype=torch.int64), "cu_seqlens": cu, "max_seqlen": int(lengths.max()) if len(lengths) else 0,
-                 "sample_ids": [e.id for e in entries], "padding": padding}
-        if padding:
-            batch["loss_mask"] = torch.zeros_like(batch["loss_mask"])
+        result = {"input_ids": out["input_ids"].long(), "loss_mask": out["loss_mask"],
+                  "position_ids": torch.cat([torch.arange(int(t)) for t in lengths]), "cu_seqlens": cu,
+                  "max_seqlen": int(lengths.max()), "sample_ids": [cat.id(int(i)) for i in idx],
+                  "padding": batch.padding}
+        if batch.padding:
+            result["loss_mask"] = torch.zeros_like(result["loss_mask"])
         if self.device is not None:
-            batch = {k: v.to(self.device, non_blocking=pin) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            result = {k: v.to(self.device, non_blocking=pin) if isinstance(v, torch.Tensor) else v
+                      for k, v in result.items()}
             hidden = hidden.to(self.device, non_blocking=pin)
             hscale = hscale.to(self.device, non_blocking=pin) if hscale is not None else None
         hidden = decode(hidden, hscale)  # fp8 dequantized where it now lives (the target device)
-        batch["hidden_states"] = hidden.flatten(1) if self.flatten_layers else hidden
-        return batch
+        result["hidden_states"] = hidden.flatten(1) if self.flatten_layers else hidden
+        return result
 
 
 class BufferPool:

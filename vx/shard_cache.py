@@ -248,7 +248,7 @@ def open_shards(loader, batches: list, tag: str):
     if not cat.remote:
         src = LocalShards(Path(cat.path), cat.shards)
     else:
-        plan = [list(dict.fromkeys(e.shard for e in b if e.shard >= 0)) for b in batches]
+        plan = [list(dict.fromkeys(cat.shard_of[b.samples].tolist())) for b in batches]
         base = Path(loader.cache_dir) if loader.cache_dir else Path(tempfile.gettempdir()) / "vx-loader-cache"
         key = hashlib.sha256(cat.path.encode()).hexdigest()[:12]
         src = S3Shards(cat.path, cat.endpoint_url, cat.shards, base / key / tag, loader.cache_bytes, plan,

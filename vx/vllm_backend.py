@@ -254,10 +254,32 @@ class VllmExtractor:
 
     def close(self) -> None:
         try:
-            self.engine.engine_core.shutdown()
+            stop_engine_core(self.engine)
         except Exception:
             pass
         self.reaper.stop()
+
+
+def stop_engine_core(engine, pokes: int = 5) -> None:
+    """vLLM stops its EngineCore with SIGTERM, handled by a Python handler, and Python runs a
+    handler only in the main thread: an idle core's main thread sleeps in its input queue, and
+    when the kernel hands the signal to another of its threads it sleeps through it until vLLM
+    force-kills it 5 s later, leaving its shared memory to the resource tracker (2 of 3 runs here).
+    So: SIGTERM, then a few no-op requests (aborts of an unknown id) that wake the main thread so
+    the handler runs, then vLLM's own shutdown (its second SIGTERM finds a core already stopping;
+    it also marks the exit as expected, so the client logs no "exited unexpectedly")."""
+    client = engine.engine_core
+    manager = getattr(getattr(client, "resources", None), "engine_manager", None)
+    procs = [p for p in getattr(manager, "processes", []) if p.is_alive()]
+    for p in procs:
+        p.terminate()
+    for _ in range(pokes if procs else 0):
+        time.sleep(0.02)
+        try:
+            client.abort_requests(["vx-wake"])
+        except Exception:
+            break
+    client.shutdown()
 
 
 def run_vllm(cfg, model_dir, info, layer_ids, samples, shard_args, bar, t0, errors):
