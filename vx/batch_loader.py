@@ -115,7 +115,7 @@ class Loader(IterableDataset):
         if pin:  # CUDA's pinned host allocator caches its blocks
             out = {n: torch.empty(shape, dtype=dt, pin_memory=True) for n, (shape, dt) in shapes.items()}
         else:
-            out = self._pool.tensors(shapes)
+            out = self._pool.tensors(shapes, self.tokens_per_batch)
         for k, (row, h) in enumerate(zip(rows, heads)):
             a, b, lo, hi = int(h.offsets[row]), int(h.offsets[row + 1]), int(cu[k]), int(cu[k + 1])
             for name, t in out.items():
@@ -145,12 +145,15 @@ class BufferPool:
     def __init__(self, keep: int = 4):
         self.keep, self.buffers = keep, []
 
-    def tensors(self, shapes: dict) -> dict:
+    def tensors(self, shapes: dict, budget_rows: int) -> dict:
+        """Tensors of `shapes` ([rows, ...] each) carved from one pooled buffer; buffers are made
+        for at least `budget_rows` rows, so any batch within the budget fits any of them."""
         sizes = {n: _aligned(_nbytes(shape, dt)) for n, (shape, dt) in shapes.items()}
+        full = sum(_aligned(_nbytes([max(shape[0], budget_rows), *shape[1:]], dt)) for shape, dt in shapes.values())
         need = max(1, sum(sizes.values()))
         buf = next((b for b in self.buffers if len(b) >= need and sys.getrefcount(b) <= 3), None)
         if buf is None:
-            buf = bytearray(need)
+            buf = bytearray(max(need, full))
             if len(self.buffers) < self.keep:
                 self.buffers.append(buf)
             else:  # every pooled buffer is still held by a batch: replace the smallest free one, or none
