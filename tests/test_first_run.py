@@ -27,4 +27,6 @@ def test_verbose_shows_the_vllm_log_live(tmp_path, tiny_model):
     assert r.returncode == 0, r.stderr
     assert "INFO" in r.stderr and "EngineCore" in r.stderr
     assert not (tmp_path / "out" / "logs" / "vllm.log").exists()
-    assert not any(n in r.stderr for n in ("resource_tracker", "Traceback", "force killing"))
+    bad = [line for line in r.stderr.splitlines() if any(n in line for n in ("resource_tracker", "Traceback",
+                                                                             "force killing"))]
+    assert not bad, bad

@@ -260,25 +260,38 @@ class VllmExtractor:
         self.reaper.stop()
 
 
-def stop_engine_core(engine, pokes: int = 5) -> None:
+def stop_engine_core(engine, pokes: int = 5, wait_s: float = 8.0) -> None:
     """vLLM stops its EngineCore with SIGTERM, handled by a Python handler, and Python runs a
     handler only in the main thread: an idle core's main thread sleeps in its input queue, and
     when the kernel hands the signal to another of its threads it sleeps through it until vLLM
     force-kills it 5 s later, leaving its shared memory to the resource tracker (2 of 3 runs here).
-    So: SIGTERM, then a few no-op requests (aborts of an unknown id) that wake the main thread so
-    the handler runs, then vLLM's own shutdown (its second SIGTERM finds a core already stopping;
-    it also marks the exit as expected, so the client logs no "exited unexpectedly")."""
+    So vx stops the core itself: SIGTERM, then a few no-op requests (aborts of an unknown id) that
+    wake the main thread so the handler runs, then it waits for the core to tear down on its own
+    (SIGKILL only after wait_s). vLLM's process manager is told first that its processes are taken
+    care of (its one-shot finalizer detached, the same in 0.32 and 0.33), so neither its liveness
+    monitor nor its shutdown sends a second SIGTERM into a core whose handler is already reset;
+    vLLM's client shutdown then only cleans up."""
     client = engine.engine_core
-    manager = getattr(getattr(client, "resources", None), "engine_manager", None)
+    resources = getattr(client, "resources", None)
+    manager = getattr(resources, "engine_manager", None)
+    finalizer = getattr(manager, "_finalizer", None)
     procs = [p for p in getattr(manager, "processes", []) if p.is_alive()]
-    for p in procs:
-        p.terminate()
-    for _ in range(pokes if procs else 0):
-        time.sleep(0.02)
-        try:
-            client.abort_requests(["vx-wake"])
-        except Exception:
-            break
+    if procs and finalizer is not None and finalizer.detach() is not None:
+        for p in procs:
+            p.terminate()
+        for _ in range(pokes):
+            time.sleep(0.02)
+            try:
+                client.abort_requests(["vx-wake"])
+            except Exception:
+                break
+        resources.engine_dead = True  # the client's liveness monitor now stays quiet
+        deadline = time.monotonic() + wait_s
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(1.0)
     client.shutdown()
 
 

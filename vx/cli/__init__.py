@@ -26,6 +26,7 @@ from . import extract as _extract  # noqa: E402,F401  (registers the command)
 from . import bench as _bench  # noqa: E402,F401
 from . import inspect as _inspect  # noqa: E402,F401
 from . import verify as _verify  # noqa: E402,F401
+from . import regenerate as _regenerate  # noqa: E402,F401
 
 
 def main(argv: list[str] | None = None) -> int:
