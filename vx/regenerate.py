@@ -266,6 +266,7 @@ def run_regenerate(cfg: RegenConfig, progress: bool | None = None) -> dict:
         return True
 
     t_gen = time.perf_counter()
+    out.commit()  # starts the chunk clock now, not before the engine's start
     try:
         more = refill()
         while active or more:
