@@ -37,7 +37,7 @@ def main() -> None:
     from vx.tiny import default_model_dir
 
     model = default_model_dir()
-    rows = [json.loads(x) for x in PROMPTS.read_text().splitlines()[: args.prompts]]
+    rows = [json.loads(x) for x in PROMPTS.read_bytes().split(b"\n") if x.strip()][: args.prompts]
     with tempfile.TemporaryDirectory(prefix="vx-bench-regen-") as tmp:
         data = Path(tmp) / "prompts.jsonl"
         data.write_text("".join(json.dumps(r) + "\n" for r in rows))
