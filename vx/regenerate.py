@@ -99,7 +99,7 @@ def plan(rec: dict, row_index: int, cfg: RegenConfig) -> Conversation:
     return Conversation(str(sid), rec, msgs, list(todo))
 
 
-class Output:
+class RegenOutput:
     """OUTPUT (append-only JSONL, fsynced chunks) and OUTPUT.errors.jsonl; the ids already written."""
 
     def __init__(self, path: Path):
@@ -193,7 +193,7 @@ def run_regenerate(cfg: RegenConfig, progress: bool | None = None) -> dict:
         raise UsageError("the model's tokenizer has no chat template; give --chat-template")
     separate = "reasoning_content" in (template_text or getattr(tokenizer, "chat_template", "") or "")
     source = Input(cfg.data, cfg.endpoint_url)
-    out = Output(cfg.output)
+    out = RegenOutput(cfg.output)
     t0 = time.perf_counter()
     reaper = Reaper.start()  # the engine dies with this process, SIGKILL included
     try:
