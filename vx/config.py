@@ -12,6 +12,22 @@ MODEL_DTYPES = ("auto", "bfloat16", "float16", "float32")
 OVERLONG = ("truncate", "skip")
 
 
+def check_template_options(chat_template: str | None, chat_template_kwargs: str | None) -> dict:
+    """--chat-template must be a file, --chat-template-kwargs a JSON object; returns the kwargs
+    (shared by extract and regenerate)."""
+    import json
+
+    if chat_template is not None and not Path(chat_template).is_file():
+        raise UsageError(f"--chat-template {chat_template!r} is not a file")
+    try:
+        kwargs = json.loads(chat_template_kwargs or "{}")
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--chat-template-kwargs is not JSON: {e.msg}") from None
+    if not isinstance(kwargs, dict):
+        raise UsageError("--chat-template-kwargs must be a JSON object, e.g. '{\"enable_thinking\": false}'")
+    return kwargs
+
+
 @dataclass
 class ExtractConfig:
     data: str                                # file, directory, glob or s3:// URL (vx/sources.py)
@@ -109,17 +125,7 @@ class ExtractConfig:
         for name in ("messages_field", "text_field", "id_field"):
             if not getattr(self, name):
                 raise UsageError(f"--{name.replace('_', '-')} must not be empty")
-        if self.chat_template is not None and not Path(self.chat_template).is_file():
-            raise UsageError(f"--chat-template {self.chat_template!r} is not a file")
-        if self.chat_template_kwargs is not None:
-            import json
-
-            try:
-                kwargs = json.loads(self.chat_template_kwargs)
-            except json.JSONDecodeError as e:
-                raise UsageError(f"--chat-template-kwargs is not JSON: {e.msg}") from None
-            if not isinstance(kwargs, dict):
-                raise UsageError("--chat-template-kwargs must be a JSON object, e.g. '{\"enable_thinking\": false}'")
+        check_template_options(self.chat_template, self.chat_template_kwargs)
 
     def source(self):
         """The input dataset (vx/sources.py)."""

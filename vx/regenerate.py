@@ -69,15 +69,9 @@ class RegenConfig:
             raise UsageError(f"--turns must be all or last, got {self.turns!r}")
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.max_tokens < 1 or self.commit_every < 1:
             raise UsageError("--temperature >= 0, 0 < --top-p <= 1, --max-tokens >= 1 are required")
-        if self.chat_template is not None and not Path(self.chat_template).is_file():
-            raise UsageError(f"--chat-template {self.chat_template!r} is not a file")
-        try:
-            kwargs = json.loads(self.chat_template_kwargs or "{}")
-        except json.JSONDecodeError as e:
-            raise UsageError(f"--chat-template-kwargs is not JSON: {e.msg}") from None
-        if not isinstance(kwargs, dict):
-            raise UsageError("--chat-template-kwargs must be a JSON object")
-        self.template_kwargs = kwargs
+        from .config import check_template_options
+
+        self.template_kwargs = check_template_options(self.chat_template, self.chat_template_kwargs)
 
 
 def plan(rec: dict, row_index: int, cfg: RegenConfig) -> Conversation:
