@@ -60,7 +60,7 @@ class Catalog:
         return [dict(r, shard=str(d.relative_to(root) / r["shard"])) for d in output_dirs(root) for r in read_manifest(d)]
 
     def _remote(self) -> list[dict]:
-        from .s3 import layout_names, make_client, parse_s3_url
+        from .s3 import S3Target, layout_names, make_client, parse_s3_url, remote_manifest
 
         target, client = parse_s3_url(self.path), make_client(self.endpoint_url)
         self.meta, records = None, []
@@ -69,11 +69,9 @@ class Catalog:
             if base == RUN_META and not head:
                 self.meta = json.loads(client.get_object(Bucket=target.bucket, Key=key)["Body"].read())
             elif base == MANIFEST:
-                body = client.get_object(Bucket=target.bucket, Key=key)["Body"].read().decode()
-                for line in body.splitlines():
-                    if line.strip():
-                        rec = json.loads(line)
-                        records.append(dict(rec, shard=f"{head}/{rec['shard']}" if head else rec["shard"]))
+                where = S3Target(target.bucket, target.key(head)) if head else target
+                records += [dict(r, shard=f"{head}/{r['shard']}" if head else r["shard"])
+                            for r in remote_manifest(where, None, client)]
         if self.meta is None:
             raise UsageError(f"{self.path} is not a vx output (no {RUN_META})")
         return records
