@@ -12,6 +12,50 @@ MODEL_DTYPES = ("auto", "bfloat16", "float16", "float32")
 OVERLONG = ("truncate", "skip")
 
 
+def check_scale_out(cfg) -> None:
+    """--data-parallel-size/--gpus/--num-partitions/--partition-index/--ray/--max-retries of a config
+    (extract and regenerate): consistent, or one line saying why; --gpus sets data_parallel_size."""
+    for name in ("data_parallel_size", "num_partitions"):
+        if getattr(cfg, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.max_retries < 0:
+        raise UsageError(f"--max-retries must be >= 0, got {cfg.max_retries}")
+    if cfg.gpus is not None:
+        if not cfg.gpus or len(set(cfg.gpus)) != len(cfg.gpus) or min(cfg.gpus) < 0:
+            raise UsageError(f"--gpus must list distinct GPU ids, got {cfg.gpus}")
+        if len(cfg.gpus) % cfg.tensor_parallel_size:
+            raise UsageError(f"--gpus lists {len(cfg.gpus)} GPUs, not a multiple of --tensor-parallel-size "
+                             f"{cfg.tensor_parallel_size}")
+        n = len(cfg.gpus) // cfg.tensor_parallel_size
+        if cfg.data_parallel_size not in (1, n):
+            raise UsageError(f"--gpus gives {n} engines of {cfg.tensor_parallel_size} GPUs, but "
+                             f"--data-parallel-size is {cfg.data_parallel_size}")
+        cfg.data_parallel_size = n
+    if cfg.partition_index is not None:
+        if not 0 <= cfg.partition_index < cfg.num_partitions:
+            raise UsageError(f"--partition-index must be in [0, {cfg.num_partitions}) for --num-partitions "
+                             f"{cfg.num_partitions}, got {cfg.partition_index}")
+        if cfg.data_parallel_size > 1 or cfg.ray:
+            raise UsageError("--partition-index runs one partition in this process; it does not combine "
+                             "with --data-parallel-size, --gpus or --ray")
+        if getattr(cfg, "overwrite", False):
+            raise UsageError("--overwrite with --partition-index would delete the other partitions' work; "
+                             "delete the output once before submitting the partitions, or use a new -o")
+    elif cfg.ray:
+        if cfg.data_parallel_size > 1:
+            raise UsageError("--ray schedules partitions on the cluster's GPUs: give --num-partitions, not "
+                             "--data-parallel-size/--gpus")
+    elif cfg.data_parallel_size > 1:
+        if cfg.num_partitions == 1:
+            cfg.num_partitions = cfg.data_parallel_size
+        elif cfg.num_partitions < cfg.data_parallel_size:
+            raise UsageError(f"--num-partitions {cfg.num_partitions} < --data-parallel-size "
+                             f"{cfg.data_parallel_size} would leave engines idle")
+    elif cfg.num_partitions > 1:
+        raise UsageError("--num-partitions needs --partition-index (one partition, e.g. a SLURM array "
+                         "task), --data-parallel-size N or --ray (all of them)")
+
+
 def check_template_options(chat_template: str | None, chat_template_kwargs: str | None) -> dict:
     """--chat-template must be a file, --chat-template-kwargs a JSON object; returns the kwargs
     (shared by extract and regenerate)."""
@@ -119,7 +163,7 @@ class ExtractConfig:
             raise UsageError(f"--shard-size must be > 0 MB, got {self.shard_size_mb}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise UsageError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        self._check_scale_out()
+        check_scale_out(self)
 
     def _check_reading(self) -> None:
         for name in ("messages_field", "text_field", "id_field"):
@@ -143,47 +187,6 @@ class ExtractConfig:
         kwargs = json.dumps(json.loads(self.chat_template_kwargs or "{}"), sort_keys=True)
         return Reading(self.messages_field, self.text_field, self.id_field, template, kwargs, self.max_length,
                        self.overlong)
-
-    def _check_scale_out(self) -> None:
-        for name in ("data_parallel_size", "num_partitions"):
-            if getattr(self, name) < 1:
-                raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.max_retries < 0:
-            raise UsageError(f"--max-retries must be >= 0, got {self.max_retries}")
-        if self.gpus is not None:
-            if not self.gpus or len(set(self.gpus)) != len(self.gpus) or min(self.gpus) < 0:
-                raise UsageError(f"--gpus must list distinct GPU ids, got {self.gpus}")
-            if len(self.gpus) % self.tensor_parallel_size:
-                raise UsageError(f"--gpus lists {len(self.gpus)} GPUs, not a multiple of --tensor-parallel-size "
-                                 f"{self.tensor_parallel_size}")
-            n = len(self.gpus) // self.tensor_parallel_size
-            if self.data_parallel_size not in (1, n):
-                raise UsageError(f"--gpus gives {n} engines of {self.tensor_parallel_size} GPUs, but "
-                                 f"--data-parallel-size is {self.data_parallel_size}")
-            self.data_parallel_size = n
-        if self.partition_index is not None:
-            if not 0 <= self.partition_index < self.num_partitions:
-                raise UsageError(f"--partition-index must be in [0, {self.num_partitions}) for --num-partitions "
-                                 f"{self.num_partitions}, got {self.partition_index}")
-            if self.data_parallel_size > 1 or self.ray:
-                raise UsageError("--partition-index runs one partition in this process; it does not combine "
-                                 "with --data-parallel-size, --gpus or --ray")
-            if self.overwrite:
-                raise UsageError("--overwrite with --partition-index would delete the other partitions' work; "
-                                 "delete the output once before submitting the partitions, or use a new -o")
-        elif self.ray:
-            if self.data_parallel_size > 1:
-                raise UsageError("--ray schedules partitions on the cluster's GPUs: give --num-partitions, not "
-                                 "--data-parallel-size/--gpus")
-        elif self.data_parallel_size > 1:
-            if self.num_partitions == 1:
-                self.num_partitions = self.data_parallel_size
-            elif self.num_partitions < self.data_parallel_size:
-                raise UsageError(f"--num-partitions {self.num_partitions} < --data-parallel-size "
-                                 f"{self.data_parallel_size} would leave engines idle")
-        elif self.num_partitions > 1:
-            raise UsageError("--num-partitions needs --partition-index (one partition, e.g. a SLURM array "
-                             "task), --data-parallel-size N or --ray (all of them)")
 
     @property
     def partitioned(self) -> bool:

@@ -67,17 +67,19 @@ def partition_config(cfg: ExtractConfig, index: int, plan_file: str | None, cpu_
     return child.portable_json() if portable else child.to_json()
 
 
-def worker_command(config: dict) -> list[str]:
-    return [sys.executable, "-m", "vx.launch", json.dumps(config)]
+def worker_command(config: dict, module: str = "vx.launch") -> list[str]:
+    return [sys.executable, "-m", module, json.dumps(config)]
 
 
-def spawn_worker(config: dict, extra_env: dict, log: Path, on_event) -> tuple[subprocess.Popen, threading.Thread]:
-    """Start one partition's worker: its own session (its vLLM engine processes go with it), stderr
-    appended to `log`, each JSON event of its stdout handed to on_event(rec) by a reader thread."""
+def spawn_worker(config: dict, extra_env: dict, log: Path, on_event,
+                 module: str = "vx.launch") -> tuple[subprocess.Popen, threading.Thread]:
+    """Start one partition's worker (`python -m MODULE CONFIG`: vx.launch extracts, vx.regen_launch
+    regenerates): its own session (its vLLM engine processes go with it), stderr appended to
+    `log`, each JSON event of its stdout handed to on_event(rec) by a reader thread."""
     env = dict(os.environ, **extra_env, VX_PARTITION=str(config["partition_index"]),
                VX_PARENT_PID=str(os.getpid()))
     with open(log, "a") as err:
-        proc = subprocess.Popen(worker_command(config), env=env, stdout=subprocess.PIPE, stderr=err, text=True,
+        proc = subprocess.Popen(worker_command(config, module), env=env, stdout=subprocess.PIPE, stderr=err, text=True,
                                 start_new_session=True)
     reader = threading.Thread(target=read_events, args=(proc.stdout, on_event), daemon=True)
     reader.start()
@@ -145,8 +147,26 @@ def run_data_parallel(cfg: ExtractConfig, progress: bool | None = None):
     logs = Path(cfg.output) / LOG_DIR
     logs.mkdir(parents=True, exist_ok=True)
     bar = RunProgress(sum(balance["lines"]) - len(Output.of(cfg).committed_elsewhere()), enabled=progress)
-    tally, events = Tally(bar), queue.Queue()
-    todo = list(range(cfg.num_partitions))
+    t_start = time.perf_counter()
+    try:
+        results, failed = run_workers(cfg.num_partitions, slots, lambda index, slot_env, events: _start(
+            cfg, index, slot_env, plan_file, cpu_share, logs, events), Tally(bar))
+    finally:
+        bar.close()
+    if failed:
+        lines = "; ".join(f"partition {i} ({v})" for i, v in sorted(failed.items()))
+        raise VxError(f"{len(failed)} of {cfg.num_partitions} partitions failed: {lines}. The others' work and "
+                      "every committed shard are kept; rerun the same command to finish the failed partitions")
+    return combine(cfg, job.backend, results, time.perf_counter() - t0, time.perf_counter() - t_start, balance)
+
+
+def run_workers(count: int, slots: list[dict], start, tally: Tally) -> tuple[dict[int, dict], dict[int, str]]:
+    """Keep every slot busy with the next of `count` partitions until all ran. start(index,
+    slot_env, events) spawns one worker and returns (proc, index, start time, log, reader); its
+    events go to `events` as (index, rec). Returns (summary and timing of each partition that
+    finished, reason of each that failed); on an exception every running worker is killed."""
+    events: queue.Queue = queue.Queue()
+    todo = list(range(count))
     running: dict[int, tuple] = {}  # slot -> (proc, partition, start, log, stdout reader)
     results: dict[int, dict] = {}
     failed: dict[int, str] = {}
@@ -155,7 +175,7 @@ def run_data_parallel(cfg: ExtractConfig, progress: bool | None = None):
         while todo or running:
             for slot in range(len(slots)):
                 if slot not in running and todo:
-                    running[slot] = _start(cfg, todo.pop(0), slots[slot], plan_file, cpu_share, logs, events)
+                    running[slot] = start(todo.pop(0), slots[slot], events)
             _drain(events, tally, results)
             for slot, (proc, index, started, log, reader) in list(running.items()):
                 if proc.poll() is None:
@@ -173,13 +193,7 @@ def run_data_parallel(cfg: ExtractConfig, progress: bool | None = None):
         for proc, _, _, _, reader in running.values():
             reap_worker(proc, reader, kill=True)
         raise
-    finally:
-        bar.close()
-    if failed:
-        lines = "; ".join(f"partition {i} ({v})" for i, v in sorted(failed.items()))
-        raise VxError(f"{len(failed)} of {cfg.num_partitions} partitions failed: {lines}. The others' work and "
-                      "every committed shard are kept; rerun the same command to finish the failed partitions")
-    return combine(cfg, job.backend, results, time.perf_counter() - t0, time.perf_counter() - t_start, balance)
+    return results, failed
 
 
 def make_plan(cfg: ExtractConfig, job) -> tuple[str, dict]:

@@ -11,8 +11,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 
 class RunProgress:
-    def __init__(self, total: int | None, enabled: bool | None = None):
+    def __init__(self, total: int | None, enabled: bool | None = None, label: str = "extract"):
         self.console = Console(stderr=True)
+        self.label = label  # regenerate: conversations/s and generated tokens/s, no bytes
         enabled = self.console.is_terminal if enabled is None else enabled
         self.samples = self.tokens = 0
         self.start = time.perf_counter()
@@ -20,11 +21,11 @@ class RunProgress:
         self.status = None  # optional callable -> str appended to the bar (the S3 uploader's figures)
         if enabled:
             self._bar = Progress(
-                TextColumn("[bold]extract"), BarColumn(), MofNCompleteColumn(),
+                TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(),
                 TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), console=self.console,
                 transient=False,
             )
-            self._task = self._bar.add_task("extract", total=total, rate="")
+            self._task = self._bar.add_task(label, total=total, rate="")
             self._bar.start()
 
     def advance(self, samples: int, tokens: int, written_bytes: int) -> None:
@@ -32,8 +33,11 @@ class RunProgress:
         self.tokens += tokens
         if self._bar is not None:
             dt = max(time.perf_counter() - self.start, 1e-9)
-            rate = (f"{self.samples / dt:,.1f} samples/s  {self.tokens / dt:,.0f} tok/s  "
-                    f"{written_bytes / dt / 1e6:,.1f} MB/s")
+            if self.label == "regenerate":
+                rate = f"{self.samples / dt:,.1f} conversations/s  {self.tokens / dt:,.0f} generated tok/s"
+            else:
+                rate = (f"{self.samples / dt:,.1f} samples/s  {self.tokens / dt:,.0f} tok/s  "
+                        f"{written_bytes / dt / 1e6:,.1f} MB/s")
             if self.status is not None:
                 rate += "  " + self.status()
             self._bar.update(self._task, advance=samples, rate=rate)

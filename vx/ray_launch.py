@@ -46,8 +46,8 @@ class ProgressSink:
         return self.seen
 
 
-def partition_task(config: dict, plan: bytes, env: dict, sink) -> dict:
-    """One attempt at one partition, on whatever node Ray chose."""
+def partition_task(config: dict, plan: bytes, env: dict, sink, module: str = "vx.launch") -> dict:
+    """One attempt at one partition, on whatever node Ray chose (`python -m MODULE CONFIG`)."""
     import ray
 
     index, attempt = config["partition_index"], uuid.uuid4().hex[:8]
@@ -62,13 +62,20 @@ def partition_task(config: dict, plan: bytes, env: dict, sink) -> dict:
         plan_file = Path(tmp) / "plan.npy"
         plan_file.write_bytes(plan)
         log = Path(tmp) / "worker.log"
-        proc, reader = spawn_worker(dict(config, plan_file=str(plan_file)), env, log, relay)
+        proc, reader = spawn_worker(dict(config, plan_file=str(plan_file)), env, log, relay, module)
         proc.wait()
         reap_worker(proc, reader)
         if proc.returncode != 0 or "summary" not in got:
             raise RuntimeError(f"partition {index} worker exited {proc.returncode} on "
                                f"{ray.util.get_node_ip_address()}: {last_line(log)}")
     return dict(got["summary"], node=ray.util.get_node_ip_address(), attempt=attempt)
+
+
+def require_ray() -> None:
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise UsageError("--ray needs Ray on every node: pip install 'vx[ray]'") from None
 
 
 def connect(address: str | None) -> None:
@@ -89,6 +96,52 @@ def connect(address: str | None) -> None:
         raise UsageError(f"no Ray cluster at {address!r} ({str(e).splitlines()[0][:160]}). {hint}") from None
 
 
+def cluster_engines(tp: int) -> tuple[int, int]:
+    """(GPUs of the cluster, engines of tp GPUs it holds; on a CPU cluster one per CPU)."""
+    import ray
+
+    resources = ray.cluster_resources()
+    gpus = int(resources.get("GPU", 0))
+    return gpus, max(1, gpus // tp if gpus else int(resources.get("CPU", 1)))
+
+
+def cpus_per_node() -> int:
+    import ray
+
+    return max(int(n["Resources"].get("CPU", 1)) for n in ray.nodes() if n.get("Alive"))
+
+
+def run_tasks(configs: list[dict], plan: bytes, num_gpus: int, max_retries: int, tally: Tally,
+              module: str = "vx.launch") -> tuple[dict[int, dict], dict[int, str], dict[int, int]]:
+    """Each partition's worker config as a Ray task (retried up to max_retries times), progress
+    folded into tally. Returns (summary of each finished partition, with its node and finish
+    time; reason of each that failed; attempts of each)."""
+    import ray
+
+    plan_ref = ray.put(plan)
+    sink = ray.remote(num_cpus=0)(ProgressSink).remote()
+    task = ray.remote(partition_task).options(num_gpus=num_gpus, num_cpus=1, max_retries=max_retries,
+                                              retry_exceptions=True)
+    env = {k: v for k, v in os.environ.items() if k.startswith(FORWARD_ENV)}
+    refs = {task.remote(c, plan_ref, env, sink, module): c["partition_index"] for c in configs}
+    results, failed = {}, {}
+    t_start = time.perf_counter()
+    while refs:
+        ready, _ = ray.wait(list(refs), num_returns=1, timeout=0.5)
+        for key, (index, rec) in ray.get(sink.snapshot.remote()).items():
+            tally.update(key, rec)
+        for ref in ready:
+            index = refs.pop(ref)
+            try:
+                results[index] = dict(ray.get(ref), finished_s=round(time.perf_counter() - t_start, 2))
+            except Exception as e:  # retries exhausted
+                failed[index] = str(e).strip().splitlines()[-1][:300]
+    attempts: dict[int, int] = {}
+    for key, (index, _) in ray.get(sink.snapshot.remote()).items():
+        attempts[index] = attempts.get(index, 0) + 1
+    return results, failed, attempts
+
+
 def run_ray(cfg: ExtractConfig, progress: bool | None = None):
     """Every partition as a Ray task; returns the combined Summary (with the node of each)."""
     with contextlib.redirect_stdout(sys.stderr):  # Ray's notices (task retried, ...) are logs, not results
@@ -96,10 +149,7 @@ def run_ray(cfg: ExtractConfig, progress: bool | None = None):
 
 
 def _run_ray(cfg: ExtractConfig, progress: bool | None):
-    try:
-        import ray
-    except ImportError:
-        raise UsageError("--ray needs Ray on every node: pip install 'vx[ray]'") from None
+    require_ray()
     from .extract import check_dataset, prepare_job, prepare_root
 
     t0 = time.perf_counter()
@@ -107,44 +157,23 @@ def _run_ray(cfg: ExtractConfig, progress: bool | None):
     if cfg.strict:
         check_dataset(cfg, job)
     connect(cfg.ray_address)
-    resources = ray.cluster_resources()
-    gpus, tp = int(resources.get("GPU", 0)), cfg.tensor_parallel_size
+    tp = cfg.tensor_parallel_size
+    gpus, engines = cluster_engines(tp)
     if cfg.num_partitions == 1:  # default: one partition per engine the cluster can hold
-        engines = gpus // tp if gpus else int(resources.get("CPU", 1))
-        cfg = replace(cfg, num_partitions=max(1, engines))
+        cfg = replace(cfg, num_partitions=engines)
     prepare_root(cfg, job)
     t_plan = time.perf_counter()
     plan_file, balance = make_plan(cfg, job)
     balance["plan_s"] = round(time.perf_counter() - t_plan, 2)
-    plan = ray.put(Path(plan_file).read_bytes())
-    sink = ray.remote(num_cpus=0)(ProgressSink).remote()
-    task = ray.remote(partition_task).options(
-        num_gpus=tp if gpus else 0, num_cpus=1, max_retries=cfg.max_retries, retry_exceptions=True)
     cpu_share = None
     if not gpus:  # CPU cluster: engines on a node share its memory
-        per_node = max(int(n["Resources"].get("CPU", 1)) for n in ray.nodes() if n.get("Alive"))
-        cpu_share = 0.3 / per_node
-    env = {k: v for k, v in os.environ.items() if k.startswith(FORWARD_ENV)}
-    refs = {task.remote(partition_config(cfg, i, None, cpu_share=cpu_share, portable=True), plan, env, sink): i
-            for i in range(cfg.num_partitions)}
+        cpu_share = 0.3 / cpus_per_node()
+    configs = [partition_config(cfg, i, None, cpu_share=cpu_share, portable=True) for i in range(cfg.num_partitions)]
     bar = RunProgress(sum(balance["lines"]), enabled=progress)
-    tally = Tally(bar)
-    results, failed = {}, {}
     t_start = time.perf_counter()
     try:
-        while refs:
-            ready, _ = ray.wait(list(refs), num_returns=1, timeout=0.5)
-            for key, (index, rec) in ray.get(sink.snapshot.remote()).items():
-                tally.update(key, rec)
-            for ref in ready:
-                index = refs.pop(ref)
-                try:
-                    results[index] = dict(ray.get(ref), finished_s=round(time.perf_counter() - t_start, 2))
-                except Exception as e:  # retries exhausted
-                    failed[index] = str(e).strip().splitlines()[-1][:300]
-        attempts = {}
-        for key, (index, _) in ray.get(sink.snapshot.remote()).items():
-            attempts[index] = attempts.get(index, 0) + 1
+        results, failed, attempts = run_tasks(configs, Path(plan_file).read_bytes(), tp if gpus else 0,
+                                              cfg.max_retries, Tally(bar))
     finally:
         bar.close()
     if failed:

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from . import app
-from .options import Layers, ModelPath, OutputDir, Progress
+from .options import Layers, ModelPath, OutputDir, Progress, parse_gpus
 
 
 @app.command(no_args_is_help=True)
@@ -122,14 +122,3 @@ def extract(
         b = s.balance
         print(f"balance      token spread {b['token_spread']:.1%} across {len(s.partitions)} partitions, finish times "
               f"within {b['finish_spread_s']:.1f}s")
-
-
-def parse_gpus(text: str | None) -> list[int] | None:
-    if text is None:
-        return None
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        from ..errors import UsageError
-
-        raise UsageError(f"--gpus must be comma-separated GPU ids, got {text!r}") from None

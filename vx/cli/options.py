@@ -12,3 +12,14 @@ Layers = Annotated[Optional[str], typer.Option(
          "pre-final-norm. Default: DFlash's 5 ids, evenly spaced 1..N-3 (64 layers: 1,16,31,46,61).")]
 Progress = Annotated[Optional[bool], typer.Option(
     "--progress/--no-progress", help="Progress bar on stderr. Default: on when stderr is a terminal.")]
+
+
+def parse_gpus(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        from ..errors import UsageError
+
+        raise UsageError(f"--gpus must be comma-separated GPU ids, got {text!r}") from None

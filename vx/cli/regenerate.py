@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from . import app
-from .options import ModelPath, Progress
+from .options import ModelPath, Progress, parse_gpus
 
 
 @app.command(no_args_is_help=True)
@@ -30,6 +30,14 @@ def regenerate(
     max_num_seqs: Annotated[Optional[int], typer.Option(help="vllm: requests per engine step.")] = None,
     gpu_memory_utilization: Annotated[Optional[float], typer.Option(help="vllm: fraction of GPU memory (host memory on CPU).")] = None,
     max_model_len: Annotated[Optional[int], typer.Option(help="vllm: longest prompt + generation.")] = None,
+    tensor_parallel_size: Annotated[int, typer.Option(help="vllm: GPUs per engine.")] = 1,
+    data_parallel_size: Annotated[int, typer.Option("--data-parallel-size", "--dp", help="Engines on this node, one per GPU group of --tensor-parallel-size (on CPU: each on its share of the cores), over token-balanced partitions merged into OUTPUT at the end.")] = 1,
+    gpus: Annotated[Optional[str], typer.Option(help="GPU ids for the engines, e.g. 0,1,2,3 (with --tensor-parallel-size 2: 2 engines of 2 GPUs).")] = None,
+    num_partitions: Annotated[int, typer.Option(help="Split the conversations into this many token-balanced partitions (the unit of work and of retry; parts in OUTPUT.parts/). Default: one per engine.")] = 1,
+    partition_index: Annotated[Optional[int], typer.Option(help="Run only this partition (0-based) of --num-partitions, e.g. a SLURM array task; the last one to finish merges all into OUTPUT.")] = None,
+    ray: Annotated[bool, typer.Option(help="Run the partitions as Ray tasks on an existing Ray cluster (OUTPUT and DATA on a filesystem every node shares).")] = False,
+    ray_address: Annotated[Optional[str], typer.Option(help="Ray cluster address. Default: auto (RAY_ADDRESS, or the cluster started on this node).")] = None,
+    max_retries: Annotated[int, typer.Option(help="ray: times a failed partition is rescheduled (it resumes from its part).")] = 3,
     commit_every: Annotated[int, typer.Option(help="Conversations per fsynced chunk of the output (also at most 2 s apart).")] = 64,
     endpoint_url: Annotated[Optional[str], typer.Option(help="S3-compatible endpoint for s3:// inputs.")] = None,
     progress: Progress = None,
@@ -45,6 +53,10 @@ def regenerate(
       vx regenerate prompts.parquet -o regen.jsonl --turns last --temperature 0.7 --top-p 0.95 --max-tokens 2048
 
       vx regenerate chats.jsonl -o regen.jsonl --chat-template-kwargs '{"enable_thinking": false}' && vx extract regen.jsonl -o out/
+
+      vx regenerate chats.jsonl -o regen.jsonl --model /models/big --dp 8
+
+      vx regenerate chats.jsonl -o /shared/regen.jsonl --num-partitions 16 --partition-index $SLURM_ARRAY_TASK_ID
     """
     from ..regenerate import RegenConfig, run_regenerate
 
@@ -53,8 +65,16 @@ def regenerate(
                       chat_template_kwargs=chat_template_kwargs, messages_field=messages_field, id_field=id_field,
                       drop_truncated=drop_truncated, max_num_seqs=max_num_seqs,
                       gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-                      commit_every=commit_every, endpoint_url=endpoint_url, verbose=verbose)
-    s = run_regenerate(cfg, progress=progress)
+                      commit_every=commit_every, endpoint_url=endpoint_url, verbose=verbose,
+                      tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
+                      gpus=parse_gpus(gpus), num_partitions=num_partitions, partition_index=partition_index,
+                      ray=ray, ray_address=ray_address, max_retries=max_retries)
+    if cfg.launcher:
+        from ..regen_launch import run_partitions
+
+        s = run_partitions(cfg, progress=progress)
+    else:
+        s = run_regenerate(cfg, progress=progress)
     if json_summary:
         print(json.dumps(s))
         return
@@ -62,4 +82,10 @@ def regenerate(
     print(f"regenerated  {s['conversations']:,} conversations ({s['turns']:,} turns, {s['generated_tokens']:,} "
           f"tokens), {s['skipped']:,} already done, {s['errors']:,} bad records")
     print(f"truncated    {s['truncated']:,} conversations" + (f" ({s['dropped']:,} left out)" if s["dropped"] else ""))
+    for p in s.get("partitions") or []:
+        print(f"partition {p['partition']:<3} {p['conversations']:,} conversations, {p['generated_tokens']:,} tokens, "
+              f"{p['skipped']:,} already done, finished at {p['finished_s']:.1f}s" + (f" on {p['node']}" if p["node"] else ""))
+    if s.get("partition") is not None:
+        merged = "all partitions are done: merged into" if s.get("merged") else "merged, when every partition is done, into"
+        print(f"partition    {s['partition']} of {cfg.num_partitions}, {merged} {s['output']}")
     print(f"time         {s['seconds']:.1f}s")

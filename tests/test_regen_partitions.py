@@ -1,0 +1,101 @@
+"""`vx regenerate` over partitions: --dp N, --num-partitions/--partition-index (SLURM-style, in any
+order) and --ray each give one OUTPUT holding every conversation exactly once, the same greedy
+turns as a single engine; a partition worker killed with SIGKILL fails the run, and the rerun
+finishes it without regenerating what was committed."""
+
+import json
+
+import pytest
+
+from conftest import write_jsonl
+from test_cli import vx_cmd
+
+ROWS = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"Tell me about the number {i}." + " Why?" * (i % 5)},
+                                     {"role": "assistant", "content": "old answer"}]
+         + ([{"role": "user", "content": "And after that?"}, {"role": "assistant", "content": "old"}] if i % 3 == 0
+            else [])} for i in range(12)]
+ARGS = ("--max-tokens", "6", "--json")
+
+
+def read(path) -> dict[str, dict]:
+    lines = open(path).read().splitlines()
+    recs = [json.loads(x) for x in lines]
+    assert len({r["id"] for r in recs}) == len(recs), "an id written twice"
+    return {r["id"]: r for r in recs}
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, tiny_model):
+    d = tmp_path_factory.mktemp("regen-single")
+    data = write_jsonl(d / "d.jsonl", ROWS)
+    r = vx_cmd("regenerate", str(data), "-o", str(d / "r.jsonl"), *ARGS)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return data, read(d / "r.jsonl")
+
+
+def assert_same(out: dict, ref: dict) -> None:
+    assert sorted(out) == sorted(ref) == sorted(r["id"] for r in ROWS)
+    for sid, rec in ref.items():  # greedy: the engine a conversation ran on changes nothing
+        assert out[sid]["messages"] == rec["messages"], sid
+        assert [t["index"] for t in out[sid]["vx_turns"]] == [t["index"] for t in rec["vx_turns"]]
+
+
+def test_data_parallel_writes_one_output_equal_to_a_single_engine(single, tmp_path):
+    data, ref = single
+    out = tmp_path / "r.jsonl"
+    r = vx_cmd("regenerate", str(data), "-o", str(out), "--dp", "2", *ARGS)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads(r.stdout)
+    assert s["conversations"] == 12 and s["turns"] == 16 and len(s["partitions"]) == 2
+    assert all(p["conversations"] > 0 for p in s["partitions"])  # both engines did work
+    assert_same(read(out), ref)
+    assert not list((tmp_path / "r.jsonl.parts").glob("*.jsonl"))  # merged parts are gone
+
+
+def test_partition_index_in_any_order_merges_when_the_last_one_finishes(single, tmp_path):
+    data, ref = single
+    out = tmp_path / "r.jsonl"
+    part = ("--num-partitions", "2", "--partition-index")
+    r1 = vx_cmd("regenerate", str(data), "-o", str(out), *part, "1", *ARGS)
+    assert r1.returncode == 0, r1.stderr[-3000:]
+    assert not out.exists() and json.loads(r1.stdout)["merged"] is False  # partition 0 not done yet
+    r0 = vx_cmd("regenerate", str(data), "-o", str(out), *part, "0", *ARGS)
+    assert r0.returncode == 0, r0.stderr[-3000:]
+    assert json.loads(r0.stdout)["merged"] is True
+    assert json.loads(r0.stdout)["conversations"] + json.loads(r1.stdout)["conversations"] == 12
+    assert_same(read(out), ref)
+    again = vx_cmd("regenerate", str(data), "-o", str(out), *part, "1", *ARGS)  # a retried array task
+    assert again.returncode == 0 and json.loads(again.stdout)["conversations"] == 0
+    assert_same(read(out), ref)
+
+
+def test_a_killed_partition_fails_the_run_and_the_rerun_redoes_only_the_rest(single, tmp_path):
+    data, ref = single
+    out = tmp_path / "r.jsonl"
+    args = ("regenerate", str(data), "-o", str(out), "--dp", "2", "--commit-every", "1", *ARGS)
+    killed = vx_cmd(*args, env={"VX_FAULT": "after-chunk:2", "VX_FAULT_PARTITION": "1"})
+    assert killed.returncode == 1 and "1 of 2 partitions failed: partition 1 (exit -9" in killed.stderr, killed.stderr
+    part1 = tmp_path / "r.jsonl.parts" / "part-00001-of-00002.jsonl"
+    committed = read(part1)
+    assert len(committed) == 2 and not out.exists()  # partition 0 finished; nothing merged without partition 1
+    r = vx_cmd(*args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads(r.stdout)
+    assert s["conversations"] + s["skipped"] == 12 and s["skipped"] >= 2  # partition 0 and the 2 committed
+    assert_same(read(out), ref)
+
+
+def test_ray_tasks_write_the_same_output(single, tmp_path):
+    ray = pytest.importorskip("ray")
+    data, ref = single
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=128 << 20, log_to_driver=False)
+    try:
+        address = ray.get_runtime_context().gcs_address
+        out = tmp_path / "r.jsonl"
+        r = vx_cmd("regenerate", str(data), "-o", str(out), "--ray", "--ray-address", address, *ARGS)
+        assert r.returncode == 0, r.stderr[-3000:]
+        s = json.loads(r.stdout)
+        assert len(s["partitions"]) == 2 and all(p["node"] for p in s["partitions"])
+    finally:
+        ray.shutdown()
+    assert_same(read(out), ref)
