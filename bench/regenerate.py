@@ -8,7 +8,7 @@ Each contender runs in a fresh process (no warm state carried from one to the ne
 Prompts: the first-turn ShareGPT prompts in ../shared/data/chat/sharegpt_prompts.jsonl (exits
 saying so when absent), rendered with the embedded model's chat template; greedy, --max-tokens.
 
-    python bench/regenerate.py [--prompts 200] [--max-tokens 64] [--reps 3]
+    python bench/regenerate.py [--prompts 200] [--max-tokens 64] [--reps 5]
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=200)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--contender", choices=["vx", "plain"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if not PROMPTS.exists():
