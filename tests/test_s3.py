@@ -291,3 +291,11 @@ def test_committed_shards_lost_from_a_prefix_are_redone_with_a_notice(s3_server,
     download(client, "vx-out", "lost", tmp_path / "copy")
     ds = vx.open_dataset(tmp_path / "copy")
     assert sorted(ds.ids) == sorted(f"s{i}" for i in range(24)) and len(ds.ids) == 24
+
+
+def test_verify_of_a_prefix_holding_no_extraction_is_one_clear_line(s3_server):
+    url, client = s3_server
+    client.put_object(Bucket="vx-out", Key="not-vx/readme.txt", Body=b"hello")
+    r = vx_cmd("verify", "s3://vx-out/not-vx", "--endpoint-url", url, env=CREDS)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "s3://vx-out/not-vx has no vx.json and manifest.jsonl; is it a vx output?" in r.stderr

@@ -52,18 +52,10 @@ def verify(out: str | Path, model: str | None = None, samples: int = 8, min_cosi
 def _verify(out: Path, model, samples, min_cosine, seed, remote=None) -> VerifyReport:
     client = target = None
     if remote is not None:  # S3: manifest and vx.json come down; shards are checked in place
-        from .s3 import make_client, parse_s3_url
+        from .s3 import fetch_layout_meta, make_client, parse_s3_url
 
         target, client = parse_s3_url(remote[0]), make_client(remote[1])
-        from .s3 import layout_names
-
-        names = [name for _, name in layout_names(client, target)
-                 if name.rpartition("/")[2] in ("vx.json", "manifest.jsonl")]
-        if "vx.json" not in names or not any(n.endswith("manifest.jsonl") for n in names):
-            raise UsageError(f"{remote[0]} has no vx.json and manifest.jsonl; is it a vx output?")
-        for name in names:  # the root's, and each partition's
-            (out / name).parent.mkdir(parents=True, exist_ok=True)
-            client.download_file(target.bucket, target.key(name), str(out / name))
+        fetch_layout_meta(client, target, out)
     ds = open_dataset(out)
     if not ds.meta:
         raise UsageError(f"{out} is not a vx output directory (no vx.json)")
