@@ -92,7 +92,9 @@ def test_ray_tasks_write_the_same_output(single, tmp_path):
     try:
         address = ray.get_runtime_context().gcs_address
         out = tmp_path / "r.jsonl"
-        r = vx_cmd("regenerate", str(data), "-o", str(out), "--ray", "--ray-address", address, *ARGS)
+        (tmp_path / "d.jsonl").write_bytes(data.read_bytes())  # relative paths: a task runs elsewhere
+        r = vx_cmd("regenerate", "d.jsonl", "-o", "r.jsonl", "--ray", "--ray-address", address, *ARGS,
+                   cwd=tmp_path)
         assert r.returncode == 0, r.stderr[-3000:]
         s = json.loads(r.stdout)
         assert len(s["partitions"]) == 2 and all(p["node"] for p in s["partitions"])

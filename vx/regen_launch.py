@@ -41,9 +41,17 @@ def prepare_plan(cfg: RegenConfig):
     return str(path), [int((plan == p).sum()) for p in range(cfg.num_partitions)]
 
 
+def absolute(path: str | None) -> str | None:
+    """A local path (or glob) made absolute: a Ray task runs in another directory. URLs as given."""
+    if path is None or "://" in path:
+        return path
+    return str(Path(path).expanduser().absolute())
+
+
 def worker_config(cfg: RegenConfig, index: int, plan_file: str | None, cpu_share: float | None) -> dict:
     child = replace(cfg, data_parallel_size=1, gpus=None, ray=False, ray_address=None, partition_index=index,
-                    plan_file=plan_file)
+                    plan_file=plan_file, output=cfg.output.resolve(), data=absolute(cfg.data),
+                    model=absolute(cfg.model), chat_template=absolute(cfg.chat_template))
     if child.gpu_memory_utilization is None and cpu_share is not None:
         child.gpu_memory_utilization = round(cpu_share, 3)
     return child.to_json()
