@@ -276,10 +276,11 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def worker_main(argv: list[str]) -> int:
-    """`python -m vx.launch CONFIG_JSON`: run one partition, progress and summary as JSON lines."""
+def run_partition_worker(argv: list[str], run) -> int:
+    """The body of a partition worker process (`python -m MODULE CONFIG_JSON`): dies with its
+    launcher, keeps to its cores, and reports progress and the summary that run(config dict,
+    reporter) returns as JSON lines on stdout; errors map to exit codes as in the CLI."""
     from .cli import run_guarded
-    from .extract import run_extract
     from .progress import EventProgress
 
     d = json.loads(argv[0])
@@ -289,13 +290,18 @@ def worker_main(argv: list[str]) -> int:
         os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
 
     def body() -> int:
-        cfg = ExtractConfig(**d)
-        events = EventProgress(sys.stdout, cfg.partition_index)
-        summary = run_extract(cfg, reporter=events)
-        events.emit("summary", summary=summary.to_json())
+        events = EventProgress(sys.stdout, d["partition_index"])
+        events.emit("summary", summary=run(d, events))
         return 0
 
     return run_guarded(body)
+
+
+def worker_main(argv: list[str]) -> int:
+    """`python -m vx.launch CONFIG_JSON`: extract one partition."""
+    from .extract import run_extract
+
+    return run_partition_worker(argv, lambda d, events: run_extract(ExtractConfig(**d), reporter=events).to_json())
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ command redoes only what no part records.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from dataclasses import replace
@@ -111,30 +110,12 @@ def run_partitions(cfg: RegenConfig, progress: bool | None = None) -> dict:
 
 
 def worker_main(argv: list[str]) -> int:
-    """`python -m vx.regen_launch CONFIG_JSON`: one partition, progress and summary as JSON lines."""
-    import os
-
-    from .cli import run_guarded
-    from .launch import _die_with_parent
-    from .progress import EventProgress
+    """`python -m vx.regen_launch CONFIG_JSON`: regenerate one partition."""
+    from .launch import run_partition_worker
     from .regenerate import run_regenerate
 
-    d = json.loads(argv[0])
-    _die_with_parent()
-    cores = os.environ.get("VX_CPU_CORES")
-    if cores:
-        os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
-
-    def body() -> int:
-        cfg = RegenConfig(**d)
-        events = EventProgress(sys.stdout, cfg.partition_index)
-        summary = run_regenerate(cfg, reporter=events)
-        events.emit("summary", summary=summary)
-        return 0
-
-    return run_guarded(body)
+    return run_partition_worker(argv, lambda d, events: run_regenerate(RegenConfig(**d), reporter=events))
 
 
 if __name__ == "__main__":
     sys.exit(worker_main(sys.argv[1:]))
-
