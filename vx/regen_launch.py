@@ -29,13 +29,11 @@ def prepare_plan(cfg: RegenConfig):
     """(plan file, rows per partition), computed once for every worker."""
     import numpy as np
 
-    from .model import model_info, resolve_model
-    from .partition import load_or_make_plan
+    from .model import resolve_model
+    from .regenerate import plan_file
     from .sources import Input
 
-    model_dir = resolve_model(cfg.model)
-    path = load_or_make_plan(parts_dir(cfg.output), Input(cfg.data, cfg.endpoint_url), model_dir,
-                             model_info(model_dir).fingerprint, cfg.num_partitions, cfg.reading())
+    path = plan_file(cfg, Input(cfg.data, cfg.endpoint_url), resolve_model(cfg.model))
     plan = np.load(path)
     return str(path), [int((plan == p).sum()) for p in range(cfg.num_partitions)]
 

@@ -125,19 +125,22 @@ def plan(rec: dict, row_index: int, cfg: RegenConfig) -> Conversation:
     return Conversation(str(sid), rec, msgs, list(todo))
 
 
+def plan_file(cfg: RegenConfig, source: Input, model_dir: Path) -> Path:
+    """The partition plan of this input and --num-partitions (under OUTPUT.parts/, made once)."""
+    from .model import model_info
+    from .partition import load_or_make_plan
+
+    return load_or_make_plan(parts_dir(cfg.output), source, model_dir, model_info(model_dir).fingerprint,
+                             cfg.num_partitions, cfg.reading())
+
+
 def partition_rows(cfg: RegenConfig, source: Input, model_dir: Path):
     """(row filter, rows to do) of this process: every row, or a partition's under the plan."""
     if cfg.partition_index is None:
         return None, source.count()
     import numpy as np
 
-    from .model import model_info
-    from .partition import load_or_make_plan
-
-    plan_file = cfg.plan_file or load_or_make_plan(parts_dir(cfg.output), source, model_dir,
-                                                   model_info(model_dir).fingerprint, cfg.num_partitions,
-                                                   cfg.reading())
-    mine = np.load(plan_file) == cfg.partition_index  # [rows]
+    mine = np.load(cfg.plan_file or plan_file(cfg, source, model_dir)) == cfg.partition_index  # [rows]
     return mine, int(mine.sum())
 
 
