@@ -21,9 +21,10 @@ from pathlib import Path
 CHILD = """
 import sys, json
 from vx.tiny import default_model_dir
-from vx.vllm_backend import _cpu_env, engine_kwargs
+from vx.device import engine_env
+from vx.vllm_backend import engine_kwargs
 import torch
-_cpu_env()
+engine_env()
 kw = engine_kwargs(default_model_dir(), [1, 2, 3, 4, 5], on_cpu=not torch.cuda.is_available(),
                    gpu_memory_utilization={util}, max_model_len={max_len}, enforce_eager=True)
 if {bare}:

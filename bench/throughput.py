@@ -204,9 +204,9 @@ def main(argv=None):
     model = load_hf_model(model_dir, "bfloat16") if {"hf-naive", "hf-hooks"} & set(modes) else None
     vllm_modes = [m for m in modes if m in ("vllm-bare", "vllm-builtin", "vx-vllm")]
     if vllm_modes:
-        from vx.vllm_backend import _cpu_env
+        from vx.device import engine_env
 
-        _cpu_env()
+        engine_env()
     setup_s = time.perf_counter() - t0
 
     runs: dict[str, list[dict]] = {}

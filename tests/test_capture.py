@@ -107,3 +107,81 @@ def test_views_of_one_slot_never_overlap():
     slots = [ring.alloc(n) for n in (100, 64, 1, 300)]
     spans = sorted((s.data_ptr(), s.data_ptr() + s.numel()) for s, _ in slots)
     assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))
+
+
+def _peak_bytes(fn) -> int:
+    """Peak bytes of tensors fn() asks torch's allocator for, alive at once (torch's profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    live = peak = 0
+    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
+        live += e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("store", ["bf16", "fp8"])
+def test_the_chunked_gather_never_holds_more_than_its_bound(store):
+    """A group of 3,000 finished rows (one long sample's worth) gathered and encoded 100 rows at a
+    time asks for at most 100 rows' bound at once; all at once it would ask for 30x that."""
+    from vx.capture import capture_chunks, device_row_bytes
+
+    layers, hidden, bs = 5, 512, 16
+    cache = torch.randn(200, layers, bs, hidden, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    slots = torch.randperm(200 * bs, generator=torch.Generator().manual_seed(1))[:3000]
+    bound = 100 * device_row_bytes(layers, hidden, store)
+    chunked = _peak_bytes(lambda: capture_chunks(cache, slots, store, 100, lambda *a: None))
+    whole = _peak_bytes(lambda: capture_chunks(cache, slots, store, 3000, lambda *a: None))
+    row = layers * hidden * (2 if store == "bf16" else 7)  # gathered bf16 (+ fp32 temporary + fp8 output)
+    assert 100 * row <= chunked <= bound, (chunked, bound)
+    assert whole >= 3000 * row > 20 * bound
+
+
+@pytest.mark.parametrize("store", ["bf16", "fp8"])
+def test_shards_are_bit_identical_whatever_the_chunk_size(tmp_path, store):
+    samples = {f"s{i}": states(t, i) for i, t in enumerate([1, 37, 12, 64, 3, 9])}
+    cache, finished = cache_with(samples, num_blocks=128)
+    files = {}
+    for chunk in (7, 1, 10_000):
+        out = tmp_path / f"chunk{chunk}"
+        out.mkdir()
+        writer = ShardWriter(out, {"model": "t"}, 4000, 0, L, H, store)
+        sink = CaptureSink(writer, store, torch.device("cpu"), chunk_rows=chunk)
+        sink.submit(cache, finished[:4], BS)
+        sink.submit(cache, finished[4:], BS)
+        sink.close()
+        files[chunk] = {p.name: p.read_bytes() for p in sorted(out.glob("shard-*"))}
+        files[chunk]["manifest"] = (out / "manifest.jsonl").read_bytes()
+    assert len(files[7]) > 2 and files[7] == files[1] == files[10_000]
+    # and the states are the cache's own rows (bf16: exactly)
+    ds = vx.open_dataset(tmp_path / "chunk7")
+    if store == "bf16":
+        assert all(torch.equal(ds[k]["hidden_states"], v) for k, v in samples.items())
+
+
+def test_fp8_encoding_is_the_same_division_as_before_without_a_second_fp32_copy():
+    from vx.storage import encode_on
+
+    x = torch.randn(50, 4, 96, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16) * 30
+    q, scales = encode_on(x, "fp8")
+    amax = torch.maximum(x.float().amax(dim=2), x.float().amin(dim=2).neg())
+    want = (x.to(torch.float32) / (amax / 448.0).clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(2))
+    assert torch.equal(q.view(torch.uint8), want.to(torch.float8_e4m3fn).view(torch.uint8))
+    y = torch.randn(6, 2, 8)  # an fp32 input is left as it was
+    before = y.clone()
+    encode_on(y, "fp8")
+    assert torch.equal(y, before)
+
+
+def test_the_ring_holds_three_full_steps_and_a_chunk_fits_the_side_stream_budget():
+    """The issue's numbers: a 27B target (5 layers x 5,120) at vx's GPU step of 8,192 tokens."""
+    from vx.capture import DEVICE_BYTES, capture_budget, device_row_bytes
+
+    for store, row in (("bf16", 5 * 5120 * 2), ("fp8", 5 * 5120 + 4 * 5)):
+        b = capture_budget(8192, 5, 5120, store)
+        assert b["ring_bytes"] >= 3 * 8192 * row  # bf16: 3 x 419 MB
+        assert b["chunk_rows"] * device_row_bytes(5, 5120, store) <= DEVICE_BYTES
+        assert b["chunk_rows"] >= 1000  # and still a few large gathers per step, not thousands
+    assert 8192 * 5 * 5120 * 2 == 419_430_400  # one full bf16 step: the old 256 MiB ring held none
+    small = capture_budget(64, 5, 256, "bf16")  # a step smaller than the budget is one chunk
+    assert small["chunk_rows"] == 64

@@ -2,6 +2,10 @@
 
 __version__ = "0.1.0"
 
+from .device import fork_safe as _fork_safe
+
+_fork_safe()  # before any vx code asks torch about CUDA: later forks stay safe (vx/device.py)
+
 
 def open_dataset(path):
     """Open an extraction output directory: `len(ds)`, `ds[i]` / `ds["id"]` -> dict of tensors."""

@@ -16,6 +16,7 @@ from typing import Iterable, Iterator
 import torch
 
 from .dataset import Sample
+from .device import cuda_available
 from .errors import UsageError
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -75,7 +76,7 @@ def load_hf_model(path, dtype: str = "auto", device: str | None = None):
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = device or ("cuda" if cuda_available() else "cpu")
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_DTYPES.get(dtype, "auto"),
                                                  device_map=device if device != "cpu" else None)
     model.config.use_cache = False

@@ -29,21 +29,14 @@ from .output import Output
 from .progress import RunProgress
 
 LOG_DIR = "logs"
+GROUP_EXIT_S = 30.0  # a finished worker's engine processes get this long after SIGTERM, then SIGKILL
 
 
 def worker_slots(cfg: ExtractConfig) -> list[dict[str, str]]:
     """The environment of each engine slot: its GPUs, or on a CPU machine its share of the cores."""
     n, tp = cfg.data_parallel_size, cfg.tensor_parallel_size
-    ids = [str(g) for g in cfg.gpus] if cfg.gpus else None
-    if ids is None:
-        import torch
-
-        if torch.cuda.is_available():
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-            ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    ids = gpu_groups(cfg.gpus, n * tp)
     if ids is not None:
-        if len(ids) < n * tp:
-            raise UsageError(f"{n} engines x {tp} GPUs need {n * tp} GPUs; {len(ids)} visible ({','.join(ids)})")
         return [{"CUDA_VISIBLE_DEVICES": ",".join(ids[k * tp:(k + 1) * tp])} for k in range(n)]
     cores = sorted(os.sched_getaffinity(0))
     per = max(1, len(cores) // n)  # more engines than cores: they share (slower, still correct)
@@ -54,6 +47,31 @@ def worker_slots(cfg: ExtractConfig) -> list[dict[str, str]]:
         slots.append({"VX_CPU_CORES": ",".join(map(str, group)), "OMP_NUM_THREADS": str(len(group)),
                       "VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, r)) for r in ranks)})
     return slots
+
+
+def gpu_groups(gpus: list[int] | None, need: int) -> list[str] | None:
+    """The device names (as CUDA_VISIBLE_DEVICES spells them) of the GPUs to use, or None on a
+    machine without CUDA. `--gpus` ids index the GPUs this process sees: under SLURM or
+    Kubernetes with CUDA_VISIBLE_DEVICES=4,5,6,7, `--gpus 0,1` is physical GPUs 4 and 5."""
+    from .device import visible_gpus
+
+    visible = visible_gpus()
+    if gpus is None:
+        if visible is None:
+            return None
+        ids = visible
+    else:
+        if visible is None:  # no CUDA here: the ids are taken as given (the workers will say more)
+            return [str(g) for g in gpus]
+        outside = [g for g in gpus if g >= len(visible)]
+        if outside:
+            raise UsageError(f"--gpus {','.join(map(str, gpus))}: this process sees {len(visible)} GPUs "
+                             f"(CUDA_VISIBLE_DEVICES={','.join(visible) or 'empty'}), so ids must be in "
+                             f"0..{len(visible) - 1}; {','.join(map(str, outside))} are outside it")
+        ids = [visible[g] for g in gpus]
+    if len(ids) < need:
+        raise UsageError(f"the engines need {need} GPUs; {len(ids)} visible ({','.join(ids)})")
+    return ids
 
 
 def partition_config(cfg: ExtractConfig, index: int, plan_file: str | None, cpu_share: float | None = None,
@@ -86,16 +104,52 @@ def spawn_worker(config: dict, extra_env: dict, log: Path, on_event,
     return proc, reader
 
 
-def reap_worker(proc: subprocess.Popen, reader: threading.Thread, kill: bool = False) -> None:
+def reap_worker(proc: subprocess.Popen, reader: threading.Thread, kill: bool = False,
+                wait_s: float = GROUP_EXIT_S) -> None:
     """After a worker exits (or to stop it): its process group goes first, since its engine
-    processes hold its stdout open, then its last lines are read."""
+    processes hold its stdout open, then its last lines are read. Returns once no process of the
+    group is left (SIGKILL after wait_s), so the slot's GPUs are free before the next worker's
+    memory check."""
     try:
         os.killpg(proc.pid, signal.SIGKILL if kill or proc.returncode else signal.SIGTERM)
     except (ProcessLookupError, PermissionError):
         pass
     if kill:
         proc.wait()
+    deadline = time.monotonic() + wait_s
+    while group_alive(proc.pid):
+        if time.monotonic() > deadline:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            deadline = time.monotonic() + wait_s
+        time.sleep(0.05)
     reader.join(timeout=30)
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether a process of group pgid is still running (zombies waiting for their reaper are gone)."""
+    try:
+        names = os.listdir("/proc")
+    except OSError:  # no /proc: ask the kernel (counts zombies too)
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, pgrp, ...
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            return True
+    return False
 
 
 def read_events(stream, on_event) -> None:

@@ -31,16 +31,15 @@ def split_reasoning(text: str, separate: bool) -> dict:
 def start_engine(cfg, model_dir: Path, log: Path):
     """A plain vLLM engine (no capture), prefix caching on; its log in `log`."""
     from .logs import engine_output
-    from .vllm_backend import _cpu_env
+    from .device import engine_env
 
     with engine_output(log, cfg.verbose):
-        _cpu_env(cfg.tensor_parallel_size)
-        import torch
+        on_cpu = engine_env(cfg.tensor_parallel_size)
         from vllm import LLM
 
         kw = dict(model=str(model_dir), tokenizer=str(model_dir), enable_prefix_caching=True, seed=cfg.seed or 0,
                   tensor_parallel_size=cfg.tensor_parallel_size)
-        if not torch.cuda.is_available():
+        if on_cpu:
             kw.update(dtype="bfloat16", enforce_eager=True, gpu_memory_utilization=cfg.gpu_memory_utilization or 0.3)
         elif cfg.gpu_memory_utilization:
             kw["gpu_memory_utilization"] = cfg.gpu_memory_utilization

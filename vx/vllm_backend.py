@@ -12,12 +12,12 @@ be missing). A bounded number of requests is in flight; new ones join as others 
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Iterable, Iterator
 
 from . import faults
+from .capture import capture_budget
 from .dataset import Sample
 from .errors import UsageError, VxError
 from .logs import engine_output, vllm_log_path
@@ -30,27 +30,6 @@ STATUS_EVERY_S = 2.0     # how often the driver asks the worker whether its writ
 # CPU default: eager. Compiled measured slower on CPU (bench/throughput.py, README Performance) and
 # starts ~60 s slower cold; on a GPU vLLM's default (compiled, CUDA graphs) is used.
 EAGER_ON_CPU = True
-
-
-def _cpu_env(tensor_parallel_size: int = 1) -> None:
-    # results go to stdout, so vLLM's logs go to stderr
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    # the engine core steps on its own (in its process) until the connector has read every
-    # finished request; the driver waits for that (drain), so it must not run in-process
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-    import torch
-
-    if not torch.cuda.is_available():
-        # vLLM reserves one core for its engine process by default; on small CPU machines the
-        # worker then runs on one thread. vx's engine process only feeds requests.
-        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-        if tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-            # vLLM's auto binding wants a NUMA node per rank; give each rank its share of our cores
-            cores = sorted(os.sched_getaffinity(0))
-            n = tensor_parallel_size
-            ranks = [cores[r * len(cores) // n:(r + 1) * len(cores) // n] or cores[r % len(cores):][:1]
-                     for r in range(n)]
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, g)) for g in ranks)
 
 
 def request_params(s: Sample):
@@ -136,12 +115,11 @@ class VllmExtractor:
         self.warmup_s = self.warm_up()
 
     def _start(self, model_dir: Path, layer_ids: list[int], options: dict) -> None:
-        _cpu_env(options.get("tensor_parallel_size", 1))
-        import torch
-
+        from .device import engine_env
         from .reaper import Reaper
 
-        kwargs = engine_kwargs(model_dir, layer_ids, on_cpu=not torch.cuda.is_available(), **options)
+        on_cpu = engine_env(options.get("tensor_parallel_size", 1))
+        kwargs = engine_kwargs(model_dir, layer_ids, on_cpu=on_cpu, **options)
         check_vllm_contract(kwargs)  # before any weight loads: one line naming what is missing
         from vllm import LLM
 
@@ -154,6 +132,7 @@ class VllmExtractor:
         self.max_num_batched_tokens = config.scheduler_config.max_num_batched_tokens
         self.max_model_len = config.model_config.max_model_len
         self.enforce_eager = config.model_config.enforce_eager
+        self.cache_dtype = config.model_config.dtype  # the hidden-state cache holds the model's dtype
 
     @staticmethod
     def _warmup_params():
@@ -181,9 +160,11 @@ class VllmExtractor:
             on_done=None, on_reject=None,
             max_in_flight: int | None = None) -> dict:
         """Extract every sample into shards under out_dir. Returns the worker's stats."""
+        budget = capture_budget(self.max_num_batched_tokens, len(self.layer_ids), hidden_size, store_dtype,
+                                self.cache_dtype)
         self.llm.collective_rpc("vx_begin", args=(str(out_dir), shard_meta, shard_bytes, next_shard,
                                                   len(self.layer_ids), hidden_size, store_dtype, max_local_bytes,
-                                                  compress))
+                                                  compress, budget["ring_bytes"], budget["chunk_rows"]))
         cap = max_in_flight or 2 * self.max_num_seqs
         in_flight: dict[str, Sample] = {}
         lines: dict[str, int] = {}  # sample id -> dataset line, for rejections reported at the end

@@ -19,8 +19,9 @@ class VxWorkerExtension:
 
     def vx_begin(self, out_dir: str, shard_meta: dict, shard_bytes: int, next_shard: int, layer_count: int,
                  hidden_size: int, store_dtype: str, max_local_bytes: int | None = None,
-                 compress: str | None = None, ring_bytes: int = 1 << 28) -> None:
-        """Open a ShardWriter and attach it to the capture connector (rank 0 only)."""
+                 compress: str | None = None, ring_bytes: int = 1 << 28, chunk_rows: int = 8192) -> None:
+        """Open a ShardWriter and attach it to the capture connector (rank 0 only). ring_bytes and
+        chunk_rows: the driver's capture_budget for this engine's step (vx/capture.py)."""
         from .capture import CaptureSink
         from .reaper import require_driver
         from .shards import ShardWriter
@@ -33,7 +34,8 @@ class VxWorkerExtension:
             raise RuntimeError("vx: a capture run is already open in this worker")
         writer = ShardWriter(Path(out_dir), shard_meta, shard_bytes, next_shard, layer_count, hidden_size,
                              store_dtype, max_local_bytes=max_local_bytes, compress=compress, guard=require_driver)
-        conn.sink = CaptureSink(writer, store_dtype, conn.kv_cache.device, ring_bytes=ring_bytes)
+        conn.sink = CaptureSink(writer, store_dtype, conn.kv_cache.device, ring_bytes=ring_bytes,
+                                chunk_rows=chunk_rows)
 
     def vx_status(self) -> dict:
         """Samples the worker has taken from finished requests so far, and any writer failure."""
@@ -56,7 +58,7 @@ class VxWorkerExtension:
         w = sink.writer
         return {"samples": sink.received, "tokens": sink.tokens, "shards": w.committed_shards,
                 "bytes": w.committed_bytes, "rejected": w.rejected, "peak_local_bytes": w.peak_local_bytes,
-                "ring_waits": sink.ring_waits}
+                "ring_waits": sink.ring_waits, "ring_bytes": sink.ring_bytes, "chunk_rows": sink.chunk_rows}
 
     def vx_param_count(self, substring: str) -> int:
         """Parameters of the loaded model whose name contains `substring` (tests: no vision tower)."""
