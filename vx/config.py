@@ -99,6 +99,7 @@ class ExtractConfig:
     # vllm engine flags, named as vLLM names them
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
+    max_model_len: int | None = None         # None: the longest sample the run submits, + 1 (from the plan)
     gpu_memory_utilization: float | None = None  # None: 0.9 on GPU, 0.3 of host memory on CPU
     tensor_parallel_size: int = 1
     enforce_eager: bool | None = None        # None: compiled on GPU, the measured faster mode on CPU
@@ -116,6 +117,7 @@ class ExtractConfig:
     ray: bool = False                        # schedule partitions as Ray tasks on an existing cluster
     ray_address: str | None = None           # default: auto (RAY_ADDRESS or a local cluster)
     max_retries: int = 3                     # ray: reschedules of a failed partition
+    verify: int = 0                          # after the run: recompute this many random samples with HF
     plan_file: str | None = None             # internal: the partition plan a launcher computed
     staged: bool = False                     # internal: output is the local staging dir of -o s3://
     extra: dict = field(default_factory=dict)
@@ -155,10 +157,12 @@ class ExtractConfig:
         for name in ("batch_size", "max_batch_tokens", "sort_window", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_length", "max_num_batched_tokens", "max_num_seqs"):
+        for name in ("max_length", "max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+        if self.verify < 0:
+            raise UsageError(f"--verify must be >= 0 samples, got {self.verify}")
         if self.shard_size_mb <= 0:
             raise UsageError(f"--shard-size must be > 0 MB, got {self.shard_size_mb}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:

@@ -38,6 +38,7 @@ class Summary:
     uploaded_bytes: int = 0
     upload_mb_s: float = 0.0
     peak_local_bytes: int = 0
+    max_model_len: int | None = None  # vllm: the engine's longest request (the longest sample + 1)
     partitions: list | None = None  # data parallel / Ray: one summary per partition
     balance: dict | None = None     # tokens per partition and their spread
 
@@ -123,9 +124,11 @@ def run_extract(cfg: ExtractConfig, progress: bool | None = None, reporter=None)
     if cfg.strict and not cfg.plan_file:  # a launcher (which hands out plan files) checked it once
         check_dataset(cfg, job)
     root = out = Output.of(cfg)
-    lines = None
+    lines = plan = None
     if cfg.partitioned:
-        cfg, out, lines = _enter_partition(cfg, job, root)
+        cfg, out, lines, plan = _enter_partition(cfg, job, root)
+    if job.backend == "vllm" and not cfg.max_model_len:
+        cfg = replace(cfg, max_model_len=engine_max_model_len(cfg, job, plan))
     out.reset_or_sync(cfg.overwrite)
     elsewhere = root.committed_elsewhere(exclude=out)  # other partitions, of this run or an earlier one
     with out.lock():
@@ -158,6 +161,7 @@ def _extract_locked(cfg, job, out: Output, lines, elsewhere, progress, reporter,
             else:
                 yield item
 
+    max_model_len = None
     try:
         if job.backend == "hf":
             def reject(sample_id: str, reason: str, line: int | None) -> None:  # in the writer thread
@@ -177,6 +181,7 @@ def _extract_locked(cfg, job, out: Output, lines, elsewhere, progress, reporter,
                                       errors)
             shards, nbytes = wstats.get("shards", 0), wstats.get("bytes", 0)
             peak_local = wstats.get("peak_local_bytes", 0)
+            max_model_len = wstats.get("max_model_len")
             if cfg.strict and wstats.get("rejected"):
                 raise VxError(f"{len(wstats['rejected'])} samples rejected (--strict): {wstats['rejected'][:3]}")
     except BaseException:
@@ -193,7 +198,8 @@ def _extract_locked(cfg, job, out: Output, lines, elsewhere, progress, reporter,
     load_s, warmup_s, extract_s, n, tokens = stats
     return Summary(str(cfg.output), job.backend, n, tokens, errors.count, len(state.committed_ids),
                    shards, nbytes, load_s, warmup_s, extract_s, str(out.target) if out.target else None,
-                   up.get("uploaded_bytes", 0), up.get("upload_mb_s", 0.0), peak_local)
+                   up.get("uploaded_bytes", 0), up.get("upload_mb_s", 0.0), peak_local,
+                   max_model_len if job.backend == "vllm" else None)
 
 
 def require_samples(cfg: ExtractConfig, s: Summary) -> None:
@@ -221,7 +227,25 @@ def _enter_partition(cfg: ExtractConfig, job: Job, root: Output):
         root.local, job.source, job.model_dir, job.info.fingerprint, cfg.num_partitions, cfg.reading())
     out = root.partition(name)
     upload = str(out.target) if out.target is not None else None
-    return replace(cfg, output=out.local, upload=upload, staged=False), out, lines_of(plan, cfg.partition_index)
+    return (replace(cfg, output=out.local, upload=upload, staged=False), out, lines_of(plan, cfg.partition_index),
+            plan)
+
+
+def engine_max_model_len(cfg: ExtractConfig, job: Job, plan: Path | None) -> int | None:
+    """The engine's max_model_len: the longest sample this run submits, + 1 (the engine samples
+    one token), from the plan's token counts (a one-partition plan is made for a single run),
+    never more than the model's own. vLLM's default is the model's (262,144 for Qwen3.6), and the
+    engine refuses to start where one such request, with capture's per-token cost, does not fit."""
+    from .partition import load_or_make_plan, longest_sample
+
+    if plan is None:
+        plan = load_or_make_plan(cfg.output, job.source, job.model_dir, job.info.fingerprint, 1, cfg.reading())
+    longest = longest_sample(plan, cfg.partition_index)
+    if not longest:
+        return None
+    want = max(longest, 2) + 1  # a 1-token sample is sent as 2 tokens (vllm_backend.prompt_ids)
+    limit = job.info.max_position_embeddings
+    return min(want, limit) if limit else want
 
 
 def _run_hf(cfg, model_dir, layer_ids, tokenizer, samples, writer, bar, t0):

@@ -79,7 +79,7 @@ def partition_config(cfg: ExtractConfig, index: int, plan_file: str | None, cpu_
     """The JSON config of one partition's worker. cpu_share: on CPU, vLLM's memory fraction is of
     host memory, which the engines of a node share."""
     child = replace(cfg, data_parallel_size=1, gpus=None, ray=False, ray_address=None, overwrite=False,
-                    partition_index=index, plan_file=plan_file)
+                    partition_index=index, plan_file=plan_file, verify=0)  # the launcher verifies the whole run
     if child.gpu_memory_utilization is None and cpu_share is not None:
         child.gpu_memory_utilization = round(cpu_share, 3)
     return child.portable_json() if portable else child.to_json()
@@ -312,7 +312,9 @@ def combine(cfg, backend: str, results: dict[int, dict], total_s: float, extract
                 ("samples", "tokens", "errors", "resumed_samples", "shards", "bytes_written")),
                 max((p["load_s"] for p in parts), default=0.0), max((p["warmup_s"] for p in parts), default=0.0),
                 extract_s, cfg.upload, sum(r.get("uploaded_bytes", 0) for r in results.values()), 0.0,
-                max((r.get("peak_local_bytes", 0) for r in results.values()), default=0), parts, balance)
+                max((r.get("peak_local_bytes", 0) for r in results.values()), default=0),
+                max((r.get("max_model_len") or 0 for r in results.values()), default=0) or None,
+                partitions=parts, balance=balance)
     return s
 
 

@@ -20,6 +20,7 @@ class ModelInfo:
     vision_language: bool  # checkpoint in the VL layout (text_config inside config.json)
     fingerprint: str       # sha256 of config.json: the same model wherever its directory lives
     vocab_size: int | None = None  # embedding rows (often more than the tokenizer's entries)
+    max_position_embeddings: int | None = None  # the model's own longest sequence
 
 
 def resolve_model(model: str | None) -> Path:
@@ -44,7 +45,8 @@ def model_info(path: Path) -> ModelInfo:
     try:
         return ModelInfo(path, int(text["num_hidden_layers"]), int(text["hidden_size"]),
                          text.get("model_type", cfg.get("model_type", "?")), "text_config" in cfg,
-                         hashlib.sha256(raw).hexdigest()[:16], text.get("vocab_size", cfg.get("vocab_size")))
+                         hashlib.sha256(raw).hexdigest()[:16], text.get("vocab_size", cfg.get("vocab_size")),
+                         text.get("max_position_embeddings", cfg.get("max_position_embeddings")))
     except KeyError as e:
         raise UsageError(f"{path}/config.json lacks {e.args[0]!r}") from None
 

@@ -116,28 +116,47 @@ def plan_key(source: Input, model_fingerprint: str, reading: Reading, count: int
 
 
 def make_plan(source: Input | str | Path, model_dir: Path, count: int, reading: Reading = Reading(),
-              procs: int | None = None) -> np.ndarray:
+              procs: int | None = None, weights: np.ndarray | None = None) -> np.ndarray:
     """Partition index of every row (-1: blank line), int32 [rows]."""
-    weights = line_weights(source, model_dir, reading, procs)
+    weights = line_weights(source, model_dir, reading, procs) if weights is None else weights
     plan = np.full(len(weights), -1, dtype=np.int32)
     real = np.flatnonzero(weights >= 0)
     plan[real] = assign(weights[real].tolist(), count)
     return plan
 
 
+def tokens_file(plan_file: Path) -> Path:
+    """Beside each plan: every row's token count under the run's length policy (-1: blank)."""
+    return Path(plan_file).with_suffix(".tokens.npy")
+
+
 def load_or_make_plan(root: Path, source: Input, model_dir: Path, fingerprint: str, count: int,
                       reading: Reading) -> Path:
-    """The plan file for this input/tokenizer/reading/P under root/.vx-plan, made if missing."""
+    """The plan file for this input/tokenizer/reading/P under root/.vx-plan, made if missing,
+    with the rows' token counts beside it (tokens_file)."""
     path = Path(root) / PLAN_DIR / f"plan-{plan_key(source, fingerprint, reading, count)}.npy"
-    if path.exists():
+    if path.exists() and tokens_file(path).exists():
         return path
-    plan = make_plan(source, model_dir, count, reading)
+    weights = line_weights(source, model_dir, reading)
+    plan = make_plan(source, model_dir, count, reading, weights=weights)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:  # concurrent makers write identical bytes; rename is atomic
-        np.save(f, plan)
-    os.replace(tmp, path)
+    for target, array in ((tokens_file(path), weights), (path, plan)):  # the plan last: it marks both done
+        tmp = target.with_suffix(f".{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:  # concurrent makers write identical bytes; rename is atomic
+            np.save(f, array)
+        os.replace(tmp, target)
     return path
+
+
+def longest_sample(plan_file: Path, index: int | None = None) -> int | None:
+    """Tokens of the longest row of partition `index` (every partition: None), 0 if it has no
+    row; None for a plan made without its token counts."""
+    if not tokens_file(plan_file).exists():
+        return None
+    weights = np.load(tokens_file(plan_file))
+    if index is not None:
+        weights = weights[np.load(plan_file) == index]
+    return int(weights.max()) if len(weights) else 0
 
 
 def lines_of(plan_file: Path, index: int) -> set[int]:

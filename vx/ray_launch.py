@@ -46,7 +46,15 @@ class ProgressSink:
         return self.seen
 
 
-def partition_task(config: dict, plan: bytes, env: dict, sink, module: str = "vx.launch") -> dict:
+def plan_payload(plan_file) -> dict:
+    """The partition plan and its rows' token counts, as bytes for Ray's object store."""
+    from .partition import tokens_file
+
+    tokens = tokens_file(plan_file)
+    return {"plan": Path(plan_file).read_bytes(), "tokens": tokens.read_bytes() if tokens.exists() else None}
+
+
+def partition_task(config: dict, plan: dict, env: dict, sink, module: str = "vx.launch") -> dict:
     """One attempt at one partition, on whatever node Ray chose (`python -m MODULE CONFIG`)."""
     import ray
 
@@ -59,8 +67,12 @@ def partition_task(config: dict, plan: bytes, env: dict, sink, module: str = "vx
             got["summary"] = rec["summary"]
 
     with tempfile.TemporaryDirectory(prefix="vx-ray-") as tmp:
+        from .partition import tokens_file
+
         plan_file = Path(tmp) / "plan.npy"
-        plan_file.write_bytes(plan)
+        plan_file.write_bytes(plan["plan"])
+        if plan["tokens"] is not None:
+            tokens_file(plan_file).write_bytes(plan["tokens"])
         log = Path(tmp) / "worker.log"
         proc, reader = spawn_worker(dict(config, plan_file=str(plan_file)), env, log, relay, module)
         proc.wait()
@@ -111,7 +123,7 @@ def cpus_per_node() -> int:
     return max(int(n["Resources"].get("CPU", 1)) for n in ray.nodes() if n.get("Alive"))
 
 
-def run_tasks(configs: list[dict], plan: bytes, num_gpus: int, max_retries: int, tally: Tally,
+def run_tasks(configs: list[dict], plan: dict, num_gpus: int, max_retries: int, tally: Tally,
               module: str = "vx.launch") -> tuple[dict[int, dict], dict[int, str], dict[int, int]]:
     """Each partition's worker config as a Ray task (retried up to max_retries times), progress
     folded into tally. Returns (summary of each finished partition, with its node and finish
@@ -172,7 +184,7 @@ def _run_ray(cfg: ExtractConfig, progress: bool | None):
     bar = RunProgress(sum(balance["lines"]), enabled=progress)
     t_start = time.perf_counter()
     try:
-        results, failed, attempts = run_tasks(configs, Path(plan_file).read_bytes(), tp if gpus else 0,
+        results, failed, attempts = run_tasks(configs, plan_payload(plan_file), tp if gpus else 0,
                                               cfg.max_retries, Tally(bar))
     finally:
         bar.close()

@@ -75,11 +75,11 @@ def run_partitions(cfg: RegenConfig, progress: bool | None = None) -> dict:
     logs = parts_dir(cfg.output)
     try:
         if cfg.ray:
-            from .ray_launch import cpus_per_node, run_tasks
+            from .ray_launch import cpus_per_node, plan_payload, run_tasks
 
             share = None if gpus else 0.3 / cpus_per_node()
             configs = [worker_config(cfg, i, None, share) for i in range(cfg.num_partitions)]
-            results, failed, _ = run_tasks(configs, Path(plan_file).read_bytes(),
+            results, failed, _ = run_tasks(configs, plan_payload(plan_file),
                                            cfg.tensor_parallel_size if gpus else 0, cfg.max_retries, tally, MODULE)
         else:
             slots = worker_slots(cfg)

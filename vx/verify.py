@@ -1,8 +1,9 @@
 """`vx verify`: prove an output is intact and right.
 
 1. Every committed shard's size and sha256 match the manifest.
-2. N random committed samples are recomputed with the HF reference (fp32, batch 1, hooks) on
-   the model recorded in vx.json (or --model) and compared per layer: cosine and max |diff|.
+2. N random committed samples are recomputed with the HF reference (batch 1, hooks; fp32 when it
+   fits this machine's free memory, else bf16: vx/reference.py) on the model recorded in vx.json
+   (or --model) and compared per layer: cosine and max |diff| against the reference's bound.
 """
 
 from __future__ import annotations
@@ -23,8 +24,21 @@ class VerifyReport:
     shards_checked: int = 0
     bad_shards: list[str] = field(default_factory=list)
     duplicate_ids: list[str] = field(default_factory=list)  # committed more than once
-    samples: list[dict] = field(default_factory=list)  # {id, layer, cosine, max_abs_diff}
+    samples: list[dict] = field(default_factory=list)  # {id, layer, cosine, max_abs_diff, rel_diff, ok}
     min_cosine: float = 1.0
+    max_rel_diff: float | None = None
+    reference: str = ""  # the reference's device and dtype, and why
+
+    def worst_by_layer(self) -> list[dict]:
+        """Per layer: the worst cosine and max |diff| over the recomputed samples, and where."""
+        worst: dict[int, dict] = {}
+        for s in self.samples:
+            w = worst.setdefault(s["layer"], {"layer": s["layer"], "min_cosine": 1.0, "max_abs_diff": 0.0,
+                                              "worst_sample": s["id"]})
+            if s["cosine"] < w["min_cosine"]:
+                w.update(min_cosine=s["cosine"], worst_sample=s["id"])
+            w["max_abs_diff"] = max(w["max_abs_diff"], s["max_abs_diff"])
+        return list(worst.values())
 
     @property
     def ok(self) -> bool:
@@ -39,17 +53,19 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def verify(out: str | Path, model: str | None = None, samples: int = 8, min_cosine: float = 0.999,
-           seed: int = 0, endpoint_url: str | None = None) -> VerifyReport:
+def verify(out: str | Path, model: str | None = None, samples: int = 8, min_cosine: float | None = None,
+           seed: int = 0, endpoint_url: str | None = None, device: str | None = None) -> VerifyReport:
+    """min_cosine None: the reference's bound (vx/reference.py) for this model, reference dtype
+    and store dtype. device None: cuda when available, else cpu."""
     if str(out).startswith("s3://"):
         import tempfile
 
         with tempfile.TemporaryDirectory(prefix="vx-verify-") as tmp:
-            return _verify(Path(tmp), model, samples, min_cosine, seed, remote=(str(out), endpoint_url))
-    return _verify(Path(out), model, samples, min_cosine, seed)
+            return _verify(Path(tmp), model, samples, min_cosine, seed, device, remote=(str(out), endpoint_url))
+    return _verify(Path(out), model, samples, min_cosine, seed, device)
 
 
-def _verify(out: Path, model, samples, min_cosine, seed, remote=None) -> VerifyReport:
+def _verify(out: Path, model, samples, min_cosine, seed, device, remote=None) -> VerifyReport:
     client = target = None
     if remote is not None:  # S3: manifest and vx.json come down; shards are checked in place
         from .s3 import fetch_layout_meta, make_client, parse_s3_url
@@ -59,7 +75,7 @@ def _verify(out: Path, model, samples, min_cosine, seed, remote=None) -> VerifyR
     ds = open_dataset(out)
     if not ds.meta:
         raise UsageError(f"{out} is not a vx output directory (no vx.json)")
-    report = VerifyReport(min_cosine=min_cosine)
+    report = VerifyReport(min_cosine=min_cosine if min_cosine is not None else 1.0)
     seen: set[str] = set()
     report.duplicate_ids = sorted({sid for sid in ds.ids if sid in seen or seen.add(sid)})
     for rec in ds.shards:
@@ -77,12 +93,18 @@ def _verify(out: Path, model, samples, min_cosine, seed, remote=None) -> VerifyR
             report.bad_shards.append(rec["shard"])
     if samples <= 0 or not len(ds):
         return report
+    from . import reference
     from .dataset import Sample
     from .hf_backend import HFExtractor, load_hf_model
     from .model import resolve_model
 
     model_dir = resolve_model(model or ds.meta["model"])
-    hf = load_hf_model(model_dir, "float32", "cpu")
+    device, dtype, why = reference.choose(model_dir, device)
+    limits = reference.bound(ds.meta.get("model_type", "?"), dtype, ds.meta.get("store_dtype", "bf16"))
+    report.min_cosine = min_cosine if min_cosine is not None else limits.min_cosine
+    report.max_rel_diff = None if min_cosine is not None else limits.max_rel_diff
+    report.reference = why
+    hf = load_hf_model(model_dir, dtype, device)
     ex = HFExtractor(hf, ds.layer_ids)
     for i in sorted(random.Random(seed).sample(range(len(ds)), min(samples, len(ds)))):
         if client is not None:  # fetch the sample's shard, then check its bytes against the manifest
@@ -95,12 +117,15 @@ def _verify(out: Path, model, samples, min_cosine, seed, remote=None) -> VerifyR
                     report.bad_shards.append(rec["shard"])
         item = ds[i]
         ids = item["input_ids"].tolist()
-        ref = ex.extract([Sample(item["id"], 0, ids, [])])[0].float()  # [T, L, H]
-        got = item["hidden_states"].float()
-        for j, k in enumerate(ds.layer_ids):
-            cos = torch.nn.functional.cosine_similarity(got[:, j].flatten(), ref[:, j].flatten(), dim=0).item()
-            diff = (got[:, j] - ref[:, j]).abs().max().item()
+        ref = ex.extract([Sample(item["id"], 0, ids, [])])[0]  # [T, L, H]
+        got = item["hidden_states"]
+        for (cos, rel), k, j in zip(reference.compare(got, ref), ds.layer_ids, range(len(ds.layer_ids))):
+            diff = (got[:, j].float() - ref[:, j].float().cpu()).abs().max().item()
+            ok = cos >= report.min_cosine and (report.max_rel_diff is None or rel <= report.max_rel_diff)
             report.samples.append({"id": item["id"], "layer": k, "cosine": cos, "max_abs_diff": diff,
-                                   "ok": cos >= min_cosine})
+                                   "rel_diff": rel, "ok": ok})
     ex.remove()
+    del ex, hf
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
     return report

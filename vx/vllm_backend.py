@@ -141,18 +141,25 @@ class VllmExtractor:
         return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, extra_args={"vx_warmup": 1})
 
     def warm_up(self) -> float:
-        """Dummy prefills covering the token-count buckets the run will see (kernels compile and
-        autotune here, not in the timed loop). Their states are not captured."""
+        """Dummy prefills covering the token-count buckets the run will see, up to a full step
+        (kernels compile and autotune here, not in the timed loop); a bucket larger than one
+        request may be is filled by several. Their states are not captured."""
         t0 = time.perf_counter()
+        longest = self.max_model_len - 1
         sizes, n = [], 16
-        while n < min(self.max_num_batched_tokens, self.max_model_len - 1):
+        while n < self.max_num_batched_tokens:
             sizes.append(n)
             n *= 4
-        sizes.append(min(self.max_num_batched_tokens, self.max_model_len - 1))
-        for i, size in enumerate(sizes):
-            self.engine.add_request(f"{WARMUP_PREFIX}{i}", tokens_input([1] * size), self._warmup_params())
-        while self.engine.has_unfinished_requests():
-            self.engine.step()
+        sizes.append(self.max_num_batched_tokens)
+        i = 0
+        for size in sizes:
+            while size > 0:
+                self.engine.add_request(f"{WARMUP_PREFIX}{i}", tokens_input([1] * max(2, min(size, longest))),
+                                        self._warmup_params())
+                size -= longest
+                i += 1
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
         return time.perf_counter() - t0
 
     def run(self, samples: Iterable[Sample], out_dir: Path, shard_meta: dict, shard_bytes: int, next_shard: int,
@@ -283,7 +290,7 @@ def run_vllm(cfg, model_dir, info, layer_ids, samples, shard_args, bar, t0, erro
     t_load = time.perf_counter()
     ex = VllmExtractor(model_dir, layer_ids, log_file=vllm_log_path(cfg.output), verbose=cfg.verbose,
                        vision_language=info.vision_language, dtype=cfg.dtype,
-                       max_model_len=cfg.max_length + 1 if cfg.max_length else None,
+                       max_model_len=cfg.max_model_len,
                        max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
                        gpu_memory_utilization=cfg.gpu_memory_utilization,
                        tensor_parallel_size=cfg.tensor_parallel_size, enforce_eager=cfg.enforce_eager)
@@ -305,4 +312,5 @@ def run_vllm(cfg, model_dir, info, layer_ids, samples, shard_args, bar, t0, erro
         extract_s = time.perf_counter() - t1  # the engine's shutdown is not extraction time
     finally:
         ex.close()
+    stats["max_model_len"] = ex.max_model_len
     return load_s, ex.warmup_s, extract_s, counts["n"] - len(stats.get("rejected", [])), counts["tokens"], stats

@@ -36,6 +36,7 @@ def extract(
     device: Annotated[Optional[str], typer.Option(help="hf: torch device (default cuda if available, else cpu).")] = None,
     max_num_batched_tokens: Annotated[Optional[int], typer.Option(help="vllm: tokens per engine step.")] = None,
     max_num_seqs: Annotated[Optional[int], typer.Option(help="vllm: requests per engine step.")] = None,
+    max_model_len: Annotated[Optional[int], typer.Option(help="vllm: the engine's longest request in tokens. Default: the longest sample this run submits + 1 (the model's 262,144 would reserve capture memory no request uses, and stops vLLM where one such request does not fit).")] = None,
     gpu_memory_utilization: Annotated[Optional[float], typer.Option(help="vllm: fraction of GPU memory (of host memory on CPU) for the engine. Default 0.9 on GPU, 0.3 on CPU.")] = None,
     tensor_parallel_size: Annotated[int, typer.Option(help="vllm: GPUs per engine.")] = 1,
     enforce_eager: Annotated[Optional[bool], typer.Option("--enforce-eager/--no-enforce-eager", help="vllm: --enforce-eager runs without torch.compile and CUDA graphs; --no-enforce-eager compiles. Default: compiled on GPU, eager on CPU (faster there, see README).")] = None,
@@ -51,6 +52,7 @@ def extract(
     ray: Annotated[bool, typer.Option(help="Run the partitions as Ray tasks on an existing Ray cluster (use -o s3://... so every node writes to the same place).")] = False,
     ray_address: Annotated[Optional[str], typer.Option(help="Ray cluster address. Default: auto (RAY_ADDRESS, or the cluster started on this node).")] = None,
     max_retries: Annotated[int, typer.Option(help="ray: times a failed partition is rescheduled (it resumes from its manifest).")] = 3,
+    verify: Annotated[int, typer.Option(help="After the run, recompute this many random committed samples with the HF reference on this machine's device (once the engine has released it) and compare every layer; exit 1 below the bound. 0: off.")] = 0,
     progress: Progress = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show vLLM's INFO log live on stderr (it is always written to OUT/logs/).")] = False,
     json_summary: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object.")] = False,
@@ -83,7 +85,7 @@ def extract(
         overlong=overlong, messages_field=messages_field, text_field=text_field, id_field=id_field,
         chat_template=chat_template, chat_template_kwargs=chat_template_kwargs, verbose=verbose, dtype=dtype, store_dtype=store_dtype, shard_size_mb=shard_size, strict=strict,
         overwrite=overwrite, device=device, max_num_batched_tokens=max_num_batched_tokens,
-        max_num_seqs=max_num_seqs, gpu_memory_utilization=gpu_memory_utilization,
+        max_num_seqs=max_num_seqs, max_model_len=max_model_len, verify=verify, gpu_memory_utilization=gpu_memory_utilization,
         tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager, upload=upload,
         endpoint_url=endpoint_url, max_local_gb=max_local_gb, keep_local=keep_local, compress=compress,
         data_parallel_size=data_parallel_size, gpus=parse_gpus(gpus), num_partitions=num_partitions,
@@ -100,9 +102,25 @@ def extract(
     else:
         s = run_extract(cfg, progress=progress)
     require_samples(cfg, s)
+    report = None
+    if cfg.verify:  # the engine has released the device: the HF reference runs there now
+        from ..verify import verify as run_verify
+        from .verify import report_json
+
+        target = cfg.upload if cfg.upload and not cfg.keep_local else str(cfg.output)
+        report = run_verify(target, cfg.model, cfg.verify, endpoint_url=cfg.endpoint_url)
     if json_summary:
-        print(json.dumps(s.to_json()))
-        return
+        print(json.dumps(dict(s.to_json(), **({"verify": report_json(report)} if report else {}))))
+    else:
+        _print_summary(s, report)
+    if report is not None and not report.ok:
+        from ..errors import VxError
+        from .verify import failure
+
+        raise VxError(f"--verify {cfg.verify}: " + failure(report))
+
+
+def _print_summary(s, report) -> None:
     print(f"output       {s.output}")
     print(f"backend      {s.backend}")
     print(f"samples      {s.samples:,} extracted, {s.resumed_samples:,} already committed, {s.errors:,} bad records "
@@ -110,6 +128,8 @@ def extract(
     print(f"tokens       {s.tokens:,}")
     print(f"written      {s.shards} shards, {s.bytes_written / 1e6:,.1f} MB")
     print(f"time         load {s.load_s:.1f}s, warm-up {s.warmup_s:.1f}s, extract {s.extract_s:.1f}s")
+    if s.max_model_len:
+        print(f"engine       max_model_len {s.max_model_len:,} (the longest sample + 1, unless --max-model-len)")
     print(f"speed        {s.samples_per_s:,.2f} samples/s, {s.tokens_per_s:,.0f} tokens/s")
     if s.upload:
         print(f"uploaded     {s.uploaded_bytes / 1e6:,.1f} MB to {s.upload} at {s.upload_mb_s:,.1f} MB/s; "
@@ -122,3 +142,9 @@ def extract(
         b = s.balance
         print(f"balance      token spread {b['token_spread']:.1%} across {len(s.partitions)} partitions, finish times "
               f"within {b['finish_spread_s']:.1f}s")
+    if report is not None:
+        from .verify import report_lines
+
+        for line in report_lines(report):
+            print(line)
+        print("verify       " + ("OK" if report.ok else "MISMATCH"))

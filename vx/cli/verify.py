@@ -15,7 +15,8 @@ def verify(
     output: Annotated[str, typer.Argument(help="An extraction output directory, or s3://bucket/prefix.")],
     model: Annotated[Optional[str], typer.Option(help="Model to recompute with. Default: the one in vx.json.")] = None,
     samples: Annotated[int, typer.Option(help="Random committed samples to recompute (0: checksums only).")] = 8,
-    min_cosine: Annotated[float, typer.Option(help="Per sample and layer, cosine below this is a mismatch.")] = 0.999,
+    min_cosine: Annotated[Optional[float], typer.Option(help="Per sample and layer, cosine below this is a mismatch. Default: the bound for the reference's dtype (fp32 when it fits this machine's free memory, else bf16), the stored dtype and the model family.")] = None,
+    device: Annotated[Optional[str], typer.Option(help="Device of the HF reference. Default: cuda if available, else cpu.")] = None,
     endpoint_url: Annotated[Optional[str], typer.Option(help="S3-compatible endpoint URL.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print as one JSON object.")] = False,
 ):
@@ -32,26 +33,45 @@ def verify(
     from ..errors import VxError
     from ..verify import verify as run_verify
 
-    r = run_verify(output, model, samples, min_cosine, endpoint_url=endpoint_url)
-    worst = {}
-    for s in r.samples:
-        w = worst.setdefault(s["layer"], {"layer": s["layer"], "min_cosine": 1.0, "max_abs_diff": 0.0})
-        w["min_cosine"] = min(w["min_cosine"], s["cosine"])
-        w["max_abs_diff"] = max(w["max_abs_diff"], s["max_abs_diff"])
-    summary = {"ok": r.ok, "shards_checked": r.shards_checked, "bad_shards": r.bad_shards,
-               "duplicate_ids": r.duplicate_ids[:20],
-               "samples_checked": len({s["id"] for s in r.samples}), "layers": list(worst.values())}
+    r = run_verify(output, model, samples, min_cosine, endpoint_url=endpoint_url, device=device)
+    summary = report_json(r)
     if json_out:
         print(json.dumps(summary))
     else:
         print(f"shards       {r.shards_checked} checked, {len(r.bad_shards)} bad {r.bad_shards or ''}")
         if r.duplicate_ids:
             print(f"duplicates   {len(r.duplicate_ids)} sample ids committed twice: {r.duplicate_ids[:5]}")
-        print(f"samples      {summary['samples_checked']} recomputed with the HF reference (fp32)")
-        for w in worst.values():
-            print(f"layer {w['layer']:<6} min cosine {w['min_cosine']:.6f}   max |diff| {w['max_abs_diff']:.3g}")
+        for line in report_lines(r):
+            print(line)
         print("result       " + ("OK" if r.ok else "MISMATCH"))
     if not r.ok:
-        why = ("bad shards " + ", ".join(r.bad_shards) if r.bad_shards else
-               f"{len(r.duplicate_ids)} duplicated samples" if r.duplicate_ids else f"cosine below {min_cosine}")
-        raise VxError("verification failed: " + why)
+        raise VxError("verification failed: " + failure(r))
+
+
+def report_json(r) -> dict:
+    return {"ok": r.ok, "shards_checked": r.shards_checked, "bad_shards": r.bad_shards,
+            "duplicate_ids": r.duplicate_ids[:20], "samples_checked": len({s["id"] for s in r.samples}),
+            "reference": r.reference, "min_cosine": r.min_cosine, "max_rel_diff": r.max_rel_diff,
+            "layers": r.worst_by_layer()}
+
+
+def report_lines(r) -> list[str]:
+    """The recompute's table: per layer the worst cosine and max |diff| (shared with extract --verify)."""
+    n = len({s["id"] for s in r.samples})
+    bound = f"cosine >= {r.min_cosine}" + (f", max |diff| <= {r.max_rel_diff} x max |ref|" if r.max_rel_diff else "")
+    lines = [f"samples      {n} recomputed with the HF reference, {r.reference or 'not run'}",
+             f"bound        {bound}"]
+    for w in r.worst_by_layer():
+        lines.append(f"layer {w['layer']:<6} min cosine {w['min_cosine']:.6f}   max |diff| {w['max_abs_diff']:.3g}"
+                     f"   (worst: sample {w['worst_sample']})")
+    return lines
+
+
+def failure(r) -> str:
+    if r.bad_shards:
+        return "bad shards " + ", ".join(r.bad_shards)
+    if r.duplicate_ids:
+        return f"{len(r.duplicate_ids)} duplicated samples"
+    bad = min((s for s in r.samples if not s["ok"]), key=lambda s: s["cosine"])
+    return (f"sample {bad['id']!r} layer {bad['layer']}: cosine {bad['cosine']:.6f}, max |diff| "
+            f"{bad['rel_diff']:.3g} x max |ref| against the reference (bound: cosine >= {r.min_cosine})")
