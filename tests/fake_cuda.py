@@ -117,9 +117,14 @@ if __name__ == "__main__":
             worker_main(args)
         elif mode == "slots":
             from vx.config import ExtractConfig
+            from vx.errors import UsageError
             from vx.launch import worker_slots
 
-            slots = worker_slots(ExtractConfig(**json.loads(args[0])))
-            print("SLOTS " + json.dumps({"slots": slots, "poisoned": POISONED}), flush=True)
+            try:
+                slots = worker_slots(ExtractConfig(**json.loads(args[0])))
+            except UsageError as e:
+                print(f"USAGE {e}", flush=True)
+            else:
+                print("SLOTS " + json.dumps({"slots": slots, "poisoned": POISONED}), flush=True)
     except _Stop:
         pass

@@ -4,17 +4,26 @@ without being force-killed; -v shows vLLM's log live."""
 
 import json
 
+import vx
 from test_cli import vx_cmd
 
 
 
 def test_the_first_vllm_run_prints_only_its_results_and_keeps_the_log_in_the_output(tmp_path):
     out = tmp_path / "out"
-    r = vx_cmd("extract", "examples/chat.jsonl", "-o", str(out), "--backend", "vllm", "--json",
+    r = vx_cmd("extract", "examples/chat.jsonl", "-o", str(out), "--backend", "vllm", "--json", "--verify", "8",
                env={"VX_CACHE_DIR": str(tmp_path / "cache")})
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["samples"] == 64
+    summary = json.loads(r.stdout)
+    assert summary["samples"] == 64
     assert r.stderr.strip() == "", r.stderr  # no tty: no progress bar either
+    # the engine's max_model_len is the longest sample + 1, not the model's 8,192
+    ds = vx.open_dataset(out)
+    assert summary["max_model_len"] == max(len(ds[i]["input_ids"]) for i in range(len(ds))) + 1 < 8192
+    # --verify 8: eight samples recomputed with the fp32 HF reference, every layer within the bound
+    v = summary["verify"]
+    assert v["ok"] and v["samples_checked"] == 8 and v["reference"].startswith("float32")
+    assert [w["layer"] for w in v["layers"]] == [1, 2, 3, 4, 5] and min(w["min_cosine"] for w in v["layers"]) >= 0.9995
     log = (out / "logs" / "vllm.log").read_text()
     assert "EngineCore" in log and "INFO" in log  # the full log, engine processes included
     assert "[shutdown] MPClient: complete" in log and "force killing" not in log

@@ -46,3 +46,63 @@ def plan_memory(*, gpu_bytes: float, utilization: float, weight_bytes: float, ac
     free = gpu_bytes * utilization - weight_bytes - activation_bytes
     left = free - max_num_seqs * gdn
     return MemoryPlan(kv, states, gdn, int(free), int(left // (kv + states)), int(left // kv))
+
+
+def page_check(config: dict, tensor_parallel_size: int, capture_layers: int, dtype_bytes: int = 2,
+               block_size: int = 16) -> dict:
+    """vLLM issue #51016: with tensor parallelism the KV page of each rank shrinks (KV heads / TP)
+    while the hidden-state cache's per-token cost (capture_layers x hidden, never sharded) does
+    not; a page smaller than one token's states failed an assertion at engine start until vLLM
+    scaled the block sizes up (PR #50894, `_ensure_min_page_size`, in 0.32 and 0.33). From the
+    model's config (text_config for VL checkpoints): the per-rank common page and the per-token
+    state cost. Hybrid GDN models align the attention page to the GDN state page, far larger."""
+    text = config.get("text_config") or config
+    tp = tensor_parallel_size
+    hidden = int(text["hidden_size"])
+    heads = int(text.get("num_key_value_heads") or text.get("num_attention_heads", 1))
+    head_dim = int(text.get("head_dim") or hidden // int(text.get("num_attention_heads", 1)))
+    attention = block_size * 2 * max(1, heads // tp) * head_dim * dtype_bytes
+    gdn = 0
+    if "linear_attention" in (text.get("layer_types") or []):
+        v_heads = max(1, int(text["linear_num_value_heads"]) // tp)
+        k_heads = max(1, int(text["linear_num_key_heads"]) // tp)
+        k_dim, v_dim = int(text["linear_key_head_dim"]), int(text["linear_value_head_dim"])
+        conv = (2 * k_heads * k_dim + v_heads * v_dim) * (int(text.get("linear_conv_kernel_dim", 4)) - 1)
+        gdn = v_heads * k_dim * v_dim * 4 + conv * dtype_bytes
+    page = max(attention, gdn)
+    states = capture_layers * hidden * dtype_bytes
+    return {"tensor_parallel_size": tp, "page_bytes": page, "state_bytes_per_token": states,
+            "exposed": states > page}
+
+
+def vllm_scales_pages() -> bool:
+    """Whether the installed vLLM scales KV pages up to the hidden-state cost (the #51016 fix)."""
+    import importlib
+
+    for module in ("vllm.v1.core.kv_cache_planning", "vllm.v1.core.kv_cache_utils"):
+        try:
+            if hasattr(importlib.import_module(module), "_ensure_min_page_size"):
+                return True
+        except ImportError:
+            continue
+    return False
+
+
+def check_tensor_parallel_pages(model_dir, tensor_parallel_size: int, capture_layers: int, dtype_bytes: int = 2):
+    """Stop before any weight loads, with one line, where vLLM #51016 would fail the engine."""
+    import json
+    from pathlib import Path
+
+    from .errors import UsageError
+
+    if tensor_parallel_size <= 1:
+        return None
+    check = page_check(json.loads((Path(model_dir) / "config.json").read_text()), tensor_parallel_size,
+                       capture_layers, dtype_bytes)
+    if check["exposed"] and not vllm_scales_pages():
+        raise UsageError(
+            f"at --tensor-parallel-size {tensor_parallel_size} each rank's KV page ({check['page_bytes']:,} B) is "
+            f"smaller than one token's captured states ({check['state_bytes_per_token']:,} B), which this vLLM "
+            "cannot place (vLLM issue #51016, fixed by PR #50894): use a smaller tensor-parallel size, fewer "
+            "--layers, or a vLLM with the fix")
+    return check

@@ -18,6 +18,7 @@ from typing import Iterable, Iterator
 
 from . import faults
 from .capture import capture_budget
+from .engine_defaults import check_tensor_parallel_pages
 from .dataset import Sample
 from .errors import UsageError, VxError
 from .logs import engine_output, vllm_log_path
@@ -121,6 +122,8 @@ class VllmExtractor:
         on_cpu = engine_env(options.get("tensor_parallel_size", 1))
         kwargs = engine_kwargs(model_dir, layer_ids, on_cpu=on_cpu, **options)
         check_vllm_contract(kwargs)  # before any weight loads: one line naming what is missing
+        dtype_bytes = 4 if kwargs["dtype"] == "float32" else 2
+        check_tensor_parallel_pages(model_dir, kwargs["tensor_parallel_size"], len(layer_ids), dtype_bytes)
         from vllm import LLM
 
         self.layer_ids = list(layer_ids)
@@ -141,26 +144,7 @@ class VllmExtractor:
         return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, extra_args={"vx_warmup": 1})
 
     def warm_up(self) -> float:
-        """Dummy prefills covering the token-count buckets the run will see, up to a full step
-        (kernels compile and autotune here, not in the timed loop); a bucket larger than one
-        request may be is filled by several. Their states are not captured."""
-        t0 = time.perf_counter()
-        longest = self.max_model_len - 1
-        sizes, n = [], 16
-        while n < self.max_num_batched_tokens:
-            sizes.append(n)
-            n *= 4
-        sizes.append(self.max_num_batched_tokens)
-        i = 0
-        for size in sizes:
-            while size > 0:
-                self.engine.add_request(f"{WARMUP_PREFIX}{i}", tokens_input([1] * max(2, min(size, longest))),
-                                        self._warmup_params())
-                size -= longest
-                i += 1
-            while self.engine.has_unfinished_requests():
-                self.engine.step()
-        return time.perf_counter() - t0
+        return warm_up(self.engine, self.max_num_batched_tokens, self.max_model_len, self._warmup_params())
 
     def run(self, samples: Iterable[Sample], out_dir: Path, shard_meta: dict, shard_bytes: int, next_shard: int,
             hidden_size: int, store_dtype: str, max_local_bytes: int | None = None, compress: str | None = None,
@@ -246,6 +230,28 @@ class VllmExtractor:
         except Exception:
             pass
         self.reaper.stop()
+
+
+def warm_up(engine, step_tokens: int, max_model_len: int, params) -> float:
+    """Dummy prefills covering the token-count buckets a run will see, up to a full step
+    (kernels compile and autotune here, not in the timed loop); a bucket larger than one request
+    may be is filled by several. vx's engine does not capture them (params carry vx_warmup)."""
+    t0 = time.perf_counter()
+    longest = max_model_len - 1
+    sizes, n = [], 16
+    while n < step_tokens:
+        sizes.append(n)
+        n *= 4
+    sizes.append(step_tokens)
+    i = 0
+    for size in sizes:
+        while size > 0:
+            engine.add_request(f"{WARMUP_PREFIX}{i}", tokens_input([1] * max(2, min(size, longest))), params)
+            size -= longest
+            i += 1
+        while engine.has_unfinished_requests():
+            engine.step()
+    return time.perf_counter() - t0
 
 
 def stop_engine_core(engine, pokes: int = 5, wait_s: float = 8.0) -> None:

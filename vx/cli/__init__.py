@@ -27,6 +27,7 @@ from . import bench as _bench  # noqa: E402,F401
 from . import inspect as _inspect  # noqa: E402,F401
 from . import verify as _verify  # noqa: E402,F401
 from . import regenerate as _regenerate  # noqa: E402,F401
+from . import selftest as _selftest  # noqa: E402,F401
 
 
 def main(argv: list[str] | None = None) -> int:

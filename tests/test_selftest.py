@@ -1,0 +1,54 @@
+"""`vx selftest` and `vx extract --verify`: they pass on a correct install and fail, naming the
+sample and layer, when the capture path silently corrupts states (the VX_FAULT=corrupt-layer:j
+failpoint shifts layer position j of every captured chunk by one token: an off-by-one the
+checks before commit cannot see, since the values stay finite and non-zero)."""
+
+import json
+
+from test_cli import ROOT, vx_cmd
+
+
+def test_selftest_on_the_embedded_default_passes_and_times_bare_vllm(tmp_path):
+    r = vx_cmd("selftest", env={"VX_CACHE_DIR": str(tmp_path / "cache")})
+    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+    rows = {line.split()[0]: line for line in r.stdout.splitlines() if line.strip()}
+    assert rows["result"].endswith("PASS")
+    assert "bare vLLM prefill" in rows["throughput"] and "vx/bare" in rows["throughput"]
+    assert "2 over the 512-token step (chunked)" in rows["data"]
+    assert "float32" in rows["reference"]
+    layer_rows = [line.split() for line in r.stdout.splitlines() if line.split() and line.split()[0].isdigit()]
+    assert [int(x[0]) for x in layer_rows] == list(range(8))  # every layer of the model, the last included
+    assert all(float(x[1]) >= 0.9995 for x in layer_rows)
+
+
+def test_selftest_builds_a_small_model_of_a_vl_layout_checkpoint_and_passes(tmp_path, tiny_vl_model):
+    r = vx_cmd("selftest", "--model", str(tiny_vl_model), "--no-bench", "--samples", "16", "--json")
+    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+    got = json.loads(r.stdout)
+    assert got["ok"] and got["samples"] == 16
+    assert "VL layout" in got["rows"]["model"] and "4 layers" in got["rows"]["model"]
+    assert [w["layer"] for w in got["layers"]] == [0, 1, 2, 3]
+
+
+def test_selftest_fails_naming_sample_and_layer_when_a_layer_is_corrupted(tmp_path):
+    r = vx_cmd("selftest", "--no-bench", "--samples", "12", env={"VX_FAULT": "corrupt-layer:2"})
+    assert r.returncode == 1, r.stdout + r.stderr[-2000:]
+    assert "FAIL" in r.stdout
+    err = r.stderr.strip().splitlines()[-1]
+    assert err.startswith("vx: error: selftest failed: sample '") and " layer 2: cosine " in err, err
+    assert all(" layer 2:" in line or "layer" not in line for line in r.stderr.splitlines())
+
+
+def test_extract_verify_fails_under_the_same_failpoint(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(open(ROOT / "examples" / "chat.jsonl").readlines()[:16]))
+    r = vx_cmd("extract", str(data), "-o", str(tmp_path / "out"), "--verify", "8",
+               env={"VX_FAULT": "corrupt-layer:2"})
+    assert r.returncode == 1, r.stdout + r.stderr[-2000:]
+    assert "verify       MISMATCH" in r.stdout
+    err = r.stderr.strip().splitlines()[-1]
+    # layer position 2 of ids 1,2,3,4,5 is layer 3; the other layers pass
+    assert err.startswith("vx: error: --verify 8: sample '") and " layer 3: cosine " in err, err
+    layers = {int(line.split()[1]): float(line.split()[4]) for line in r.stdout.splitlines()
+              if line.startswith("layer ")}
+    assert layers[3] < 0.9 and all(v >= 0.9995 for k, v in layers.items() if k != 3)

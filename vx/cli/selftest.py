@@ -1,0 +1,77 @@
+"""`vx selftest`: prove this install on this machine before a long run; attach its table to bug reports."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Optional
+
+import typer
+
+from . import app
+from .options import ModelPath, parse_gpus
+
+
+@app.command()
+def selftest(
+    model: ModelPath = None,
+    gpus: Annotated[Optional[str], typer.Option(help="GPU ids to run on (of those this process sees), e.g. 0 or 0,1 with --tensor-parallel-size 2. Default: the first --tensor-parallel-size visible GPUs.")] = None,
+    tensor_parallel_size: Annotated[int, typer.Option(help="vllm: GPUs per engine.")] = 1,
+    samples: Annotated[Optional[int], typer.Option(help="Samples in the synthetic mix. Default: 40 on CPU, 128 on a GPU.")] = None,
+    bench: Annotated[bool, typer.Option("--bench/--no-bench", help="Also time bare vLLM prefill of the same data (tokens/s, vx's ratio, MFU).")] = True,
+    max_num_batched_tokens: Annotated[Optional[int], typer.Option(help="vllm: tokens per engine step. Default: vx's GPU default (8192); 512 on CPU.")] = None,
+    enforce_eager: Annotated[Optional[bool], typer.Option("--enforce-eager/--no-enforce-eager", help="vllm: default as for extract (compiled with CUDA graphs on a GPU, eager on CPU).")] = None,
+    output: Annotated[Optional[str], typer.Option("--output", "-o", help="Keep the shards and engine logs here (default: a temporary directory, removed).")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object.")] = False,
+):
+    """Check this install end to end in minutes: vLLM's contract, vx's real capture path on a
+    small random model of your target's architecture (its config, a few layers) over a length mix
+    that breaks batched capture (1-token, chunked, shared-prefix and identical samples), every
+    sample against the HF reference on the same device, and bare vLLM prefill vs vx on the same
+    data. Prints one table; exit 0, or 1 naming the first sample and layer outside the bound.
+
+    Examples:
+
+      vx selftest
+
+      vx selftest --model /models/Qwen3.6-27B --gpus 0
+
+      vx selftest --model /models/Qwen3.6-27B --gpus 0,1 --tensor-parallel-size 2
+    """
+    from pathlib import Path
+
+    from ..errors import VxError
+    from ..selftest import SelftestConfig, run_selftest
+
+    _use_gpus(parse_gpus(gpus), tensor_parallel_size)
+    cfg = SelftestConfig(model=model, tensor_parallel_size=tensor_parallel_size, samples=samples, bench=bench,
+                         max_num_batched_tokens=max_num_batched_tokens, enforce_eager=enforce_eager,
+                         output=Path(output) if output else None)
+    r = run_selftest(cfg)
+    if json_out:
+        print(json.dumps({"ok": r.ok, "rows": dict(r.lines), "layers": r.layers, "failures": r.failures[:20],
+                          **r.result}))
+    else:
+        for label, text in r.lines:
+            print(f"{label:<12} {text}")
+        print(f"{'layer':<12} {'min cosine':>12} {'max |diff| / max |ref|':>24}   worst sample")
+        for w in r.layers:
+            print(f"{w['layer']:<12} {w['min_cosine']:>12.6f} {w['max_rel_diff']:>24.4g}   {w['worst_sample']}")
+        print(f"{'result':<12} " + ("PASS" if r.ok else f"FAIL ({len(r.failures)} sample-layers outside the bound)"))
+    if not r.ok:
+        raise VxError("selftest failed: " + r.failures[0])
+
+
+def _use_gpus(gpus: list[int] | None, tp: int) -> None:
+    """--gpus picks among the GPUs this process sees (an inherited CUDA_VISIBLE_DEVICES is honoured)."""
+    import os
+
+    if gpus is None:
+        return
+    from ..errors import UsageError
+    from ..launch import gpu_groups
+
+    if len(gpus) != tp:
+        raise UsageError(f"--gpus lists {len(gpus)} GPUs for one engine of --tensor-parallel-size {tp}")
+    ids = gpu_groups(gpus, tp)
+    if ids is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
