@@ -1,16 +1,41 @@
 #!/usr/bin/env bash
-# One-shot H200 run (device tool) on a random Qwen3.6-27B-shaped model, no network:
-#  - HF path (always): hf-naive vs vx hf-hooks, bench/gpu.py -> $OUT/gpu-bench.json (< 8 min)
-#  - vLLM path (when vLLM is installed): vx-vllm vs vllm-bare vs vllm-builtin, compiled,
-#    load_format=dummy, bench/gpu_vllm.py -> $OUT/gpu-vllm-bench.json (< 9 min)
-# Writes to bench/results/ when $OUT is unset.
-set -euo pipefail
+# One command on one GPU machine (the device tool), no network, under 10 minutes on one H200:
+#  1. vx selftest on a random Qwen3.6-27B-shaped model (its config with 4 layers, real hidden size
+#     and vocabulary; compiled, CUDA graphs): vLLM contract, capture of every sample vs the fp32 HF
+#     reference, bare vLLM prefill vs vx -> $OUT/selftest.txt, $OUT/selftest.json   (< 5 min)
+#  2. with the time left, vLLM installed: vx-vllm vs vllm-bare vs vllm-builtin on the 64-layer
+#     shape (load_format=dummy), bench/gpu_vllm.py -> $OUT/gpu-vllm-bench.json
+#  3. with the time left: hf-naive vs vx hf-hooks, bench/gpu.py -> $OUT/gpu-bench.json
+# Writes to bench/results/tmp/ when $OUT is unset. Exit status: the selftest's.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+export OUT=${OUT:-bench/results/tmp}
+mkdir -p "$OUT"
+START=$(date +%s)
+BUDGET=${VX_GPU_BUDGET_S:-570}
+left() { echo $(( BUDGET - ($(date +%s) - START) )); }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-if python3 -c "import vllm" 2>/dev/null; then
-  timeout 560 python3 bench/gpu_vllm.py
-else
-  echo "vLLM not installed: HF path only" >&2
+MODEL=$(mktemp -d /tmp/vx-27b-config.XXXX)
+python3 - "$MODEL" <<'PY'
+import sys
+sys.path.insert(0, "bench")
+from gpu import qwen36_27b_config
+from vx.tiny import build_tokenizer
+config = qwen36_27b_config()
+config.max_position_embeddings = 262144  # Qwen3.6's own
+config.architectures = ["Qwen3_5ForCausalLM"]
+build_tokenizer(sys.argv[1])
+config.save_pretrained(sys.argv[1])  # no weights: vx selftest builds a 4-layer random model of this config
+PY
+timeout 300 python3 -m vx selftest --model "$MODEL" --report "$OUT/selftest.json" 2>&1 | tee "$OUT/selftest.txt"
+rc=${PIPESTATUS[0]}
+rm -rf "$MODEL"
+if python3 -c "import vllm" 2>/dev/null && [ "$(left)" -gt 120 ]; then
+  VX_BENCH_DEADLINE_S=$(( $(left) - 60 )) timeout "$(left)" python3 bench/gpu_vllm.py
 fi
-timeout 470 python3 bench/gpu.py
+if [ "$(left)" -gt 90 ]; then
+  VX_BENCH_DEADLINE_S=$(( $(left) - 45 )) timeout "$(left)" python3 bench/gpu.py
+fi
+echo "bench/gpu.sh: selftest exit $rc, $(( $(date +%s) - START )) s in all" >&2
+exit "$rc"

@@ -140,8 +140,14 @@ def length_mix(n: int, step: int, vocab: int, seed: int = 0) -> list[Sample]:
 
 
 def run_selftest(cfg: SelftestConfig) -> SelftestReport:
-    from .device import cuda_available
+    import importlib.util
 
+    from .device import cuda_available
+    from .errors import UsageError
+
+    if importlib.util.find_spec("vllm") is None:
+        raise UsageError("vx selftest checks vx's vLLM path and needs vLLM: pip install 'vx[gpu]' (GPU) or "
+                         "'vx[cpu]' (CPU)")
     report = SelftestReport()
     on_gpu = cuda_available()  # NVML: nothing initialises CUDA before the engines have started
     work = Path(cfg.output) if cfg.output else Path(tempfile.mkdtemp(prefix="vx-selftest-"))
@@ -164,6 +170,8 @@ def _run(cfg: SelftestConfig, report: SelftestReport, on_gpu: bool, work: Path) 
     info = model_info(model_dir)
     layers = list(range(info.num_layers))
     step = cfg.max_num_batched_tokens or (MAX_NUM_BATCHED_TOKENS if on_gpu else CPU_STEP_TOKENS)
+    if info.max_position_embeddings:  # the chunked samples (2 steps + 5 tokens) must fit the model
+        step = max(16, min(step, (info.max_position_embeddings - 8) // 2))
     samples = length_mix(cfg.samples or (128 if on_gpu else 40), step, info.vocab_size, cfg.seed)
     tokens = sum(len(s) for s in samples)
     from .engine_defaults import check_tensor_parallel_pages

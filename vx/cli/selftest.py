@@ -22,6 +22,7 @@ def selftest(
     enforce_eager: Annotated[Optional[bool], typer.Option("--enforce-eager/--no-enforce-eager", help="vllm: default as for extract (compiled with CUDA graphs on a GPU, eager on CPU).")] = None,
     output: Annotated[Optional[str], typer.Option("--output", "-o", help="Keep the shards and engine logs here (default: a temporary directory, removed).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object.")] = False,
+    report: Annotated[Optional[str], typer.Option(help="Also write the result as JSON to this file (with the table on stdout).")] = None,
 ):
     """Check this install end to end in minutes: vLLM's contract, vx's real capture path on a
     small random model of your target's architecture (its config, a few layers) over a length mix
@@ -47,9 +48,11 @@ def selftest(
                          max_num_batched_tokens=max_num_batched_tokens, enforce_eager=enforce_eager,
                          output=Path(output) if output else None)
     r = run_selftest(cfg)
+    result = {"ok": r.ok, "rows": dict(r.lines), "layers": r.layers, "failures": r.failures[:20], **r.result}
+    if report:
+        Path(report).write_text(json.dumps(result, indent=2) + "\n")
     if json_out:
-        print(json.dumps({"ok": r.ok, "rows": dict(r.lines), "layers": r.layers, "failures": r.failures[:20],
-                          **r.result}))
+        print(json.dumps(result))
     else:
         for label, text in r.lines:
             print(f"{label:<12} {text}")
