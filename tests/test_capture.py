@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import vx
-from vx.capture import CaptureSink, Finished, PinnedRing, gather_rows, slots_of
+from vx.capture import CaptureSink, Finished, gather_rows, slots_of
+from vx.pinned_ring import PinnedRing
 from vx.shards import ShardWriter
 from vx.storage import FP8_MAX
 

@@ -22,7 +22,6 @@ bit-identical whatever the chunk size.
 
 from __future__ import annotations
 
-import collections
 import queue
 import threading
 from dataclasses import dataclass
@@ -30,9 +29,9 @@ from dataclasses import dataclass
 import torch
 
 from . import faults
+from .pinned_ring import ALIGN, PinnedRing, carve, nbytes
 from .storage import STORE_DTYPES, flags_problem, prepare
 
-ALIGN = 64  # bytes; every view carved out of a ring slot starts aligned
 RING_STEPS = 3  # the pinned ring holds this many full engine steps of encoded rows
 DEVICE_BYTES = 256 << 20  # device memory one chunk's gather and encoding may take (outside vLLM's budget)
 
@@ -106,74 +105,6 @@ def capture_chunks(kv_cache: torch.Tensor, slots: torch.Tensor, store_dtype: str
         del rows
         emit(start, *out)
         del out
-
-
-class PinnedRing:
-    """A FIFO byte arena in pinned host memory: D2H copies land in slots that are reused once the
-    intake thread has copied them out (released in the order they were taken). A request that
-    does not fit waits for releases; one larger than the ring gets a buffer of its own."""
-
-    def __init__(self, nbytes: int, pin: bool = True):
-        self.capacity = nbytes
-        self._pin = pin
-        self.arena = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-        self._live: collections.deque = collections.deque()  # (start, end) in allocation order
-        self._head = 0  # next free byte
-        self._cond = threading.Condition()
-        self.waits = 0  # times an allocation had to wait for the writer (backpressure)
-
-    def alloc(self, nbytes: int) -> tuple[torch.Tensor, object]:
-        """A [nbytes] uint8 buffer and the token to release it with."""
-        nbytes = -(-nbytes // ALIGN) * ALIGN
-        if nbytes > self.capacity:
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin), None
-        with self._cond:
-            while (start := self._fit(nbytes)) is None:
-                self.waits += 1
-                self._cond.wait()
-            self._live.append((start, start + nbytes))
-            self._head = start + nbytes
-            return self.arena[start:start + nbytes], (start, start + nbytes)
-
-    def _fit(self, n: int) -> int | None:
-        if not self._live:
-            self._head = 0
-            return 0
-        tail = self._live[0][0]
-        if self._head >= tail:  # free space: [head, capacity) then [0, tail)
-            if self._head + n <= self.capacity:
-                return self._head
-            return 0 if n <= tail else None
-        return self._head if self._head + n <= tail else None
-
-    def release(self, token) -> None:
-        if token is None:
-            return
-        with self._cond:
-            if not self._live or self._live[0] != token:
-                raise RuntimeError("vx: pinned ring slots released out of order")
-            self._live.popleft()
-            self._cond.notify_all()
-
-
-def _region_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[int, int]:
-    """(bytes of a [shape] dtype tensor, those bytes rounded up to ALIGN)."""
-    n = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dtype).element_size()
-    return n, -(-n // ALIGN) * ALIGN
-
-
-def _nbytes(shapes) -> int:
-    return sum(_region_bytes(s, d)[1] for s, d in shapes)
-
-
-def _carve(buf: torch.Tensor, shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
-    """Typed views of consecutive aligned regions of a uint8 buffer."""
-    out, off = [], 0
-    for shape, dtype in shapes:
-        n, padded = _region_bytes(shape, dtype)
-        out.append(buf[off:off + n].view(dtype).view(shape))
-        off += padded
-    return out
 
 
 @dataclass
@@ -261,8 +192,8 @@ class CaptureSink:
             def to_ring(start, stored, scales, finite, zero):  # [t, L, H], [t, L] | None, [t], [t, L]
                 regions = [stored, finite, zero] + ([scales] if scales is not None else [])
                 shapes = [(tuple(x.shape), x.dtype) for x in regions]
-                buf, token = self._ring.alloc(_nbytes(shapes))  # waits while the ring is full
-                host = _carve(buf, shapes)
+                buf, token = self._ring.alloc(nbytes(shapes))  # waits while the ring is full
+                host = carve(buf, shapes)
                 for dst, src in zip(host, regions):
                     dst.copy_(src, non_blocking=True)
                 event = torch.cuda.Event()

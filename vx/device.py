@@ -66,3 +66,28 @@ def visible_gpus() -> list[str] | None:
     import torch
 
     return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def gpu_groups(gpus: list[int] | None, need: int) -> list[str] | None:
+    """The device names (as CUDA_VISIBLE_DEVICES spells them) of the GPUs to use, or None on a
+    machine without CUDA. `--gpus` ids index the GPUs this process sees: under SLURM or
+    Kubernetes with CUDA_VISIBLE_DEVICES=4,5,6,7, `--gpus 0,1` is physical GPUs 4 and 5."""
+    from .errors import UsageError
+
+    visible = visible_gpus()
+    if gpus is None:
+        if visible is None:
+            return None
+        ids = visible
+    else:
+        if visible is None:  # no CUDA here: the ids are taken as given (the workers will say more)
+            return [str(g) for g in gpus]
+        outside = [g for g in gpus if g >= len(visible)]
+        if outside:
+            raise UsageError(f"--gpus {','.join(map(str, gpus))}: this process sees {len(visible)} GPUs "
+                             f"(CUDA_VISIBLE_DEVICES={','.join(visible) or 'empty'}), so ids must be in "
+                             f"0..{len(visible) - 1}; {','.join(map(str, outside))} are outside it")
+        ids = [visible[g] for g in gpus]
+    if len(ids) < need:
+        raise UsageError(f"the engines need {need} GPUs; {len(ids)} visible ({','.join(ids)})")
+    return ids

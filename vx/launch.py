@@ -35,6 +35,8 @@ GROUP_EXIT_S = 30.0  # a finished worker's engine processes get this long after 
 def worker_slots(cfg: ExtractConfig) -> list[dict[str, str]]:
     """The environment of each engine slot: its GPUs, or on a CPU machine its share of the cores."""
     n, tp = cfg.data_parallel_size, cfg.tensor_parallel_size
+    from .device import gpu_groups
+
     ids = gpu_groups(cfg.gpus, n * tp)
     if ids is not None:
         return [{"CUDA_VISIBLE_DEVICES": ",".join(ids[k * tp:(k + 1) * tp])} for k in range(n)]
@@ -47,31 +49,6 @@ def worker_slots(cfg: ExtractConfig) -> list[dict[str, str]]:
         slots.append({"VX_CPU_CORES": ",".join(map(str, group)), "OMP_NUM_THREADS": str(len(group)),
                       "VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, r)) for r in ranks)})
     return slots
-
-
-def gpu_groups(gpus: list[int] | None, need: int) -> list[str] | None:
-    """The device names (as CUDA_VISIBLE_DEVICES spells them) of the GPUs to use, or None on a
-    machine without CUDA. `--gpus` ids index the GPUs this process sees: under SLURM or
-    Kubernetes with CUDA_VISIBLE_DEVICES=4,5,6,7, `--gpus 0,1` is physical GPUs 4 and 5."""
-    from .device import visible_gpus
-
-    visible = visible_gpus()
-    if gpus is None:
-        if visible is None:
-            return None
-        ids = visible
-    else:
-        if visible is None:  # no CUDA here: the ids are taken as given (the workers will say more)
-            return [str(g) for g in gpus]
-        outside = [g for g in gpus if g >= len(visible)]
-        if outside:
-            raise UsageError(f"--gpus {','.join(map(str, gpus))}: this process sees {len(visible)} GPUs "
-                             f"(CUDA_VISIBLE_DEVICES={','.join(visible) or 'empty'}), so ids must be in "
-                             f"0..{len(visible) - 1}; {','.join(map(str, outside))} are outside it")
-        ids = [visible[g] for g in gpus]
-    if len(ids) < need:
-        raise UsageError(f"the engines need {need} GPUs; {len(ids)} visible ({','.join(ids)})")
-    return ids
 
 
 def partition_config(cfg: ExtractConfig, index: int, plan_file: str | None, cpu_share: float | None = None,
@@ -116,6 +93,8 @@ def reap_worker(proc: subprocess.Popen, reader: threading.Thread, kill: bool = F
         pass
     if kill:
         proc.wait()
+    from .reaper import group_alive
+
     deadline = time.monotonic() + wait_s
     while group_alive(proc.pid):
         if time.monotonic() > deadline:
@@ -126,30 +105,6 @@ def reap_worker(proc: subprocess.Popen, reader: threading.Thread, kill: bool = F
             deadline = time.monotonic() + wait_s
         time.sleep(0.05)
     reader.join(timeout=30)
-
-
-def group_alive(pgid: int) -> bool:
-    """Whether a process of group pgid is still running (zombies waiting for their reaper are gone)."""
-    try:
-        names = os.listdir("/proc")
-    except OSError:  # no /proc: ask the kernel (counts zombies too)
-        try:
-            os.killpg(pgid, 0)
-            return True
-        except (ProcessLookupError, PermissionError):
-            return False
-    for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, pgrp, ...
-        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-            return True
-    return False
 
 
 def read_events(stream, on_event) -> None:

@@ -53,6 +53,29 @@ def descendants(root: int) -> dict[int, int]:
     return found
 
 
+def group_alive(pgid: int) -> bool:
+    """Whether a process of group pgid is still running (zombies waiting for their reaper are gone)."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:  # no /proc: ask the kernel (counts zombies too)
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            raw = Path(f"/proc/{entry}/stat").read_bytes()
+        except OSError:
+            continue
+        fields = raw[raw.rindex(b")") + 2:].split()  # state, ppid, pgrp, ...
+        if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
+            return True
+    return False
+
+
 def watch(driver: int) -> None:
     me, t0, last_scan = os.getpid(), time.monotonic(), 0.0
     birth = _stat(driver)

@@ -68,57 +68,6 @@ class SelftestReport:
         return not self.failures
 
 
-def few_layers(text_config: dict) -> int:
-    """Layers of the small model: enough to hold every layer type of the target (GDN and full
-    attention for the hybrid families), and at least 4."""
-    types = text_config.get("layer_types") or []
-    need = len(set(types))
-    seen: set = set()
-    for i, t in enumerate(types):
-        seen.add(t)
-        if len(seen) == need:
-            return max(4, i + 1)
-    return min(4, int(text_config["num_hidden_layers"]))
-
-
-def small_model(model: str | None) -> Path:
-    """The random model of the target's architecture (see the module docstring)."""
-    import hashlib
-
-    from .model import resolve_model
-    from .tiny import _building, cache_dir
-
-    if model is None:
-        return resolve_model(None)
-    src = resolve_model(model)
-    raw = (src / "config.json").read_bytes()
-    cfg = json.loads(raw)
-    n = few_layers(cfg.get("text_config") or cfg)
-    path = cache_dir() / "selftest" / f"{hashlib.sha256(raw).hexdigest()[:16]}-{n}"
-    if (path / "config.json").exists():
-        return path
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(src)
-    text = config.get_text_config()
-    text.num_hidden_layers = n
-    if getattr(text, "layer_types", None):
-        text.layer_types = list(text.layer_types)[:n]
-    with _building(path) as tmp:
-        for f in src.iterdir():  # the tokenizer and template files: vLLM loads the tokenizer
-            if f.is_file() and f.name != "config.json" and not f.name.startswith("model") and \
-                    f.suffix not in (".safetensors", ".bin", ".pt", ".pth"):
-                shutil.copy2(f, tmp / f.name)
-        torch.manual_seed(0)
-        if getattr(config, "vision_config", None) is not None:
-            from transformers import AutoModelForImageTextToText as Auto
-        else:
-            Auto = AutoModelForCausalLM
-        Auto.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp)
-    return path
-
-
 def length_mix(n: int, step: int, vocab: int, seed: int = 0) -> list[Sample]:
     """n samples: two of 1 token, one of 2, two longer than a step (chunked over 2 and 3 steps),
     four sharing a prefix of a quarter step, two identical, the rest log-uniform up to half a step."""
@@ -165,8 +114,10 @@ def _run(cfg: SelftestConfig, report: SelftestReport, on_gpu: bool, work: Path) 
     from .engine_defaults import MAX_NUM_BATCHED_TOKENS
     from .model import model_info
 
+    from .tiny import small_random_twin
+
     t0 = time.perf_counter()
-    model_dir = small_model(cfg.model)
+    model_dir = small_random_twin(cfg.model)
     info = model_info(model_dir)
     layers = list(range(info.num_layers))
     step = cfg.max_num_batched_tokens or (MAX_NUM_BATCHED_TOKENS if on_gpu else CPU_STEP_TOKENS)

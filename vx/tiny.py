@@ -5,6 +5,8 @@ The architecture is the real one (`Qwen3_5ForCausalLM`, 3 GDN layers : 1 full-at
 only small: GDN key/value head dims are 64 (vLLM's CPU GDN kernel accepts only 64 or 128),
 weights are bf16. The tokenizer is a byte-level BPE trained here on a small embedded corpus,
 with a Qwen-style chat template that marks assistant turns with `{% generation %}`.
+Also here: the other random models vx builds (a Qwen3-Next twin and a VL-layout twin for tests,
+and `small_random_twin`, the few-layer random copy of a user's target that `vx selftest` runs).
 """
 
 from __future__ import annotations
@@ -190,6 +192,58 @@ def build_vl_twin(text_dir: Path, path: Path, seed: int = 1) -> Path:
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         config.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(text_dir).save_pretrained(tmp)
+    return path
+
+
+def few_layers(text_config: dict) -> int:
+    """Layers of the small model: enough to hold every layer type of the target (GDN and full
+    attention for the hybrid families), and at least 4."""
+    types = text_config.get("layer_types") or []
+    need = len(set(types))
+    seen: set = set()
+    for i, t in enumerate(types):
+        seen.add(t)
+        if len(seen) == need:
+            return max(4, i + 1)
+    return min(4, int(text_config["num_hidden_layers"]))
+
+
+def small_random_twin(model: str | None) -> Path:
+    """A small random model of a target's architecture (`vx selftest`): the target's own config
+    with few_layers() layers, its real hidden size and vocabulary, random bf16 weights, its
+    tokenizer files; built once into the vx cache. None: the embedded default."""
+    import hashlib
+
+    from .model import resolve_model
+
+    if model is None:
+        return resolve_model(None)
+    src = resolve_model(model)
+    raw = (src / "config.json").read_bytes()
+    cfg = json.loads(raw)
+    n = few_layers(cfg.get("text_config") or cfg)
+    path = cache_dir() / "selftest" / f"twin-v1-{hashlib.sha256(raw).hexdigest()[:16]}-{n}"
+    if (path / "config.json").exists():
+        return path
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(src)
+    text = config.get_text_config()
+    text.num_hidden_layers = n
+    if getattr(text, "layer_types", None):
+        text.layer_types = list(text.layer_types)[:n]
+    with _building(path) as tmp:
+        for f in src.iterdir():  # the tokenizer and template files: vLLM loads the tokenizer
+            if f.is_file() and f.name != "config.json" and not f.name.startswith("model") and \
+                    f.suffix not in (".safetensors", ".bin", ".pt", ".pth"):
+                shutil.copy2(f, tmp / f.name)
+        torch.manual_seed(0)
+        if getattr(config, "vision_config", None) is not None:
+            from transformers import AutoModelForImageTextToText as Auto
+        else:
+            Auto = AutoModelForCausalLM
+        Auto.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp)
     return path
 
 

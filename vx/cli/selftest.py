@@ -71,7 +71,7 @@ def _use_gpus(gpus: list[int] | None, tp: int) -> None:
     if gpus is None:
         return
     from ..errors import UsageError
-    from ..launch import gpu_groups
+    from ..device import gpu_groups
 
     if len(gpus) != tp:
         raise UsageError(f"--gpus lists {len(gpus)} GPUs for one engine of --tensor-parallel-size {tp}")
