@@ -7,9 +7,11 @@
 #     shape (load_format=dummy), bench/gpu_vllm.py -> $OUT/gpu-vllm-bench.json
 #  3. with the time left: hf-naive vs vx hf-hooks, bench/gpu.py -> $OUT/gpu-bench.json
 # Writes to bench/results/tmp/ when $OUT is unset. Exit status: the selftest's.
+# VX_BENCH_SMOKE=1: the tiny config on CPU, to check this script's own logic.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+PY=${PYTHON:-python3}
 export OUT=${OUT:-bench/results/tmp}
 mkdir -p "$OUT"
 START=$(date +%s)
@@ -17,25 +19,25 @@ BUDGET=${VX_GPU_BUDGET_S:-570}
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 MODEL=$(mktemp -d /tmp/vx-27b-config.XXXX)
-python3 - "$MODEL" <<'PY'
-import sys
+"$PY" - "$MODEL" <<'PY'
+import os, sys
 sys.path.insert(0, "bench")
 from gpu import qwen36_27b_config
-from vx.tiny import build_tokenizer
-config = qwen36_27b_config()
+from vx.tiny import build_tokenizer, tiny_text_config
+tokenizer = build_tokenizer(sys.argv[1])
+config = tiny_text_config(tokenizer) if os.environ.get("VX_BENCH_SMOKE") == "1" else qwen36_27b_config()
 config.max_position_embeddings = 262144  # Qwen3.6's own
 config.architectures = ["Qwen3_5ForCausalLM"]
-build_tokenizer(sys.argv[1])
 config.save_pretrained(sys.argv[1])  # no weights: vx selftest builds a 4-layer random model of this config
 PY
-timeout 300 python3 -m vx selftest --model "$MODEL" --report "$OUT/selftest.json" 2>&1 | tee "$OUT/selftest.txt"
+timeout 300 "$PY" -m vx selftest --model "$MODEL" --report "$OUT/selftest.json" 2>&1 | tee "$OUT/selftest.txt"
 rc=${PIPESTATUS[0]}
 rm -rf "$MODEL"
-if python3 -c "import vllm" 2>/dev/null && [ "$(left)" -gt 120 ]; then
-  VX_BENCH_DEADLINE_S=$(( $(left) - 60 )) timeout "$(left)" python3 bench/gpu_vllm.py
+if "$PY" -c "import vllm" 2>/dev/null && [ "$(left)" -gt 120 ]; then
+  VX_BENCH_DEADLINE_S=$(( $(left) - 60 )) timeout "$(left)" "$PY" bench/gpu_vllm.py
 fi
 if [ "$(left)" -gt 90 ]; then
-  VX_BENCH_DEADLINE_S=$(( $(left) - 45 )) timeout "$(left)" python3 bench/gpu.py
+  VX_BENCH_DEADLINE_S=$(( $(left) - 45 )) timeout "$(left)" "$PY" bench/gpu.py
 fi
 echo "bench/gpu.sh: selftest exit $rc, $(( $(date +%s) - START )) s in all" >&2
 exit "$rc"
