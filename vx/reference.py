@@ -6,8 +6,8 @@ on this machine's device. fp32 when it fits in the free memory (weights x 4 byte
 one sample's activations), else bf16; the bound follows the reference's dtype, the stored dtype
 and the model family, from what correct captures measured here (README "Correctness"): a bf16
 capture scores 0.9999 against an fp32 reference on the dense hybrid models, and HF's own bf16
-forward 0.9998; MoE targets flip near-tie expert choices in bf16 (0.997 observed); fp8 storage
-keeps 3 mantissa bits. An off-by-one layer or token, or a batch-dependent mix-up, scores far
+forward 0.9998; MoE targets flip near-tie expert choices in bf16 (cosine 0.997 and max |diff|
+0.40 x max |ref| observed for HF's own bf16 forward); fp8 storage keeps 3 mantissa bits. An off-by-one layer or token, or a batch-dependent mix-up, scores far
 below every bound (tested through the VX_FAULT=corrupt-layer failpoint).
 """
 
@@ -41,7 +41,7 @@ def bound(model_type: str, ref_dtype: str, store_dtype: str) -> Bound:
         cos = 0.995 if moe else 0.9995
     else:  # two bf16 computations: both carry bf16's rounding
         cos = 0.99 if moe else 0.999
-    rel = 0.04 if not moe else 0.25
+    rel = 0.04 if not moe else 0.6  # MoE: a flipped expert moves that token's state (HF bf16: 0.40)
     if store_dtype == "fp8":
         cos, rel = min(cos, 0.99), max(rel, 0.1)
     return Bound(cos, rel)

@@ -114,10 +114,11 @@ def _run(cfg: SelftestConfig, report: SelftestReport, on_gpu: bool, work: Path) 
     from .engine_defaults import MAX_NUM_BATCHED_TOKENS
     from .model import model_info
 
+    from .model import resolve_model
     from .tiny import small_random_twin
 
     t0 = time.perf_counter()
-    model_dir = small_random_twin(cfg.model)
+    model_dir = resolve_model(cfg.model) if cfg.model is None else small_random_twin(resolve_model(cfg.model))
     info = model_info(model_dir)
     layers = list(range(info.num_layers))
     step = cfg.max_num_batched_tokens or (MAX_NUM_BATCHED_TOKENS if on_gpu else CPU_STEP_TOKENS)

@@ -208,17 +208,13 @@ def few_layers(text_config: dict) -> int:
     return min(4, int(text_config["num_hidden_layers"]))
 
 
-def small_random_twin(model: str | None) -> Path:
+def small_random_twin(src: Path) -> Path:
     """A small random model of a target's architecture (`vx selftest`): the target's own config
-    with few_layers() layers, its real hidden size and vocabulary, random bf16 weights, its
-    tokenizer files; built once into the vx cache. None: the embedded default."""
+    (src: its checkpoint directory) with few_layers() layers, its real hidden size and vocabulary,
+    random bf16 weights, its tokenizer files; built once into the vx cache."""
     import hashlib
 
-    from .model import resolve_model
-
-    if model is None:
-        return resolve_model(None)
-    src = resolve_model(model)
+    src = Path(src)
     raw = (src / "config.json").read_bytes()
     cfg = json.loads(raw)
     n = few_layers(cfg.get("text_config") or cfg)
