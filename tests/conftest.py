@@ -59,3 +59,20 @@ def write_jsonl(path: Path, rows: list) -> Path:
             else:
                 f.write(json.dumps(r).encode() + b"\n")
     return path
+
+
+@pytest.fixture(scope="session")
+def chat_vllm_run(tmp_path_factory):
+    """The README's first command with the vLLM backend, `vx extract examples/chat.jsonl -o OUT
+    --backend vllm --json --verify 8`, from a fresh vx cache (as on a fresh clone): run once, and
+    shared by the tests that only read its result (stdout, stderr, logs, the output)."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    base = tmp_path_factory.mktemp("chat-vllm")
+    out = base / "out"
+    r = subprocess.run([sys.executable, "-m", "vx", "extract", "examples/chat.jsonl", "-o", str(out), "--backend",
+                        "vllm", "--json", "--verify", "8"], capture_output=True, text=True, cwd=ROOT, timeout=900,
+                       env=dict(os.environ, VX_CACHE_DIR=str(base / "cache")))
+    return SimpleNamespace(result=r, out=out)

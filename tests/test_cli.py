@@ -64,14 +64,13 @@ def test_help_teaches():
         assert flag in r.stdout
 
 
-def test_vllm_and_hf_backends_produce_the_same_samples_through_the_cli(tmp_path, tiny_model):
-    runs = {}
-    for backend in ("vllm", "hf"):
-        out = tmp_path / backend
-        r = vx_cmd("extract", "examples/chat.jsonl", "-o", str(out), "--backend", backend, "--json",
-                   env={"VLLM_LOGGING_LEVEL": "WARNING"})
-        assert r.returncode == 0, r.stderr[-3000:]
-        runs[backend] = (json.loads(r.stdout), vx.open_dataset(out))
+def test_vllm_and_hf_backends_produce_the_same_samples_through_the_cli(tmp_path, tiny_model, chat_vllm_run):
+    assert chat_vllm_run.result.returncode == 0, chat_vllm_run.result.stderr[-3000:]
+    runs = {"vllm": (json.loads(chat_vllm_run.result.stdout), vx.open_dataset(chat_vllm_run.out))}
+    out = tmp_path / "hf"
+    r = vx_cmd("extract", "examples/chat.jsonl", "-o", str(out), "--backend", "hf", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    runs["hf"] = (json.loads(r.stdout), vx.open_dataset(out))
     (sv, v), (sh, h) = runs["vllm"], runs["hf"]
     assert sv["backend"] == "vllm" and sv["samples"] == sh["samples"] == 64 and sv["tokens"] == sh["tokens"]
     assert sorted(v.ids) == sorted(h.ids)

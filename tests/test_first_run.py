@@ -9,10 +9,9 @@ from test_cli import vx_cmd
 
 
 
-def test_the_first_vllm_run_prints_only_its_results_and_keeps_the_log_in_the_output(tmp_path):
-    out = tmp_path / "out"
-    r = vx_cmd("extract", "examples/chat.jsonl", "-o", str(out), "--backend", "vllm", "--json", "--verify", "8",
-               env={"VX_CACHE_DIR": str(tmp_path / "cache")})
+def test_the_first_vllm_run_prints_only_its_results_and_keeps_the_log_in_the_output(chat_vllm_run):
+    """`vx extract examples/chat.jsonl -o OUT --backend vllm --json --verify 8` from a fresh cache."""
+    r, out = chat_vllm_run.result, chat_vllm_run.out
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout)
     assert summary["samples"] == 64

@@ -24,11 +24,10 @@ def extract(*args, env=None):
 
 
 @pytest.fixture(scope="module")
-def single_vllm(tmp_path_factory, tiny_model):
-    out = tmp_path_factory.mktemp("single") / "out"
-    r, _ = extract(CHAT, "-o", str(out), "--backend", "vllm")
-    assert r.returncode == 0, r.stderr[-2000:]
-    return vx.open_dataset(out)
+def single_vllm(chat_vllm_run, tiny_model):
+    """One engine over examples/chat.jsonl (the run test_first_run checks)."""
+    assert chat_vllm_run.result.returncode == 0, chat_vllm_run.result.stderr[-2000:]
+    return vx.open_dataset(chat_vllm_run.out)
 
 
 def assert_same_dataset(got, want, states=True):
