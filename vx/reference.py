@@ -103,16 +103,47 @@ def choose(model_dir: Path, device: str | None = None) -> tuple[str, str, str]:
                   f"{free / 2**30:.1f} GiB free")
 
 
-def compare(got: torch.Tensor, ref: torch.Tensor) -> list[tuple[float, float]]:
-    """Per layer (cosine, max |got - ref| / max |ref|) of one sample's [T, L, H] states."""
+def compare(got: torch.Tensor, ref: torch.Tensor) -> list[tuple[float, float, float]]:
+    """Per layer (cosine, max |got - ref|, that / max |ref|) of one sample's [T, L, H] states."""
     got, ref = got.float().cpu(), ref.float().cpu()
     out = []
     for j in range(ref.shape[1]):
         g, r = got[:, j].flatten(), ref[:, j].flatten()
         cos = torch.nn.functional.cosine_similarity(g, r, dim=0).item()
-        scale = r.abs().max().item() or 1.0
-        out.append((cos, (g - r).abs().max().item() / scale))
+        diff = (g - r).abs().max().item()
+        out.append((cos, diff, diff / (r.abs().max().item() or 1.0)))
     return out
+
+
+class Reference:
+    """The HF reference for one model's captured layers, on this machine's device in the dtype
+    that fits (choose), with the bound a correct capture meets (bound). check() recomputes one
+    sample and holds the captured states against it, layer by layer."""
+
+    def __init__(self, model_dir: Path, layer_ids: list[int], model_type: str, store_dtype: str = "bf16",
+                 device: str | None = None):
+        from .hf_backend import HFExtractor, load_hf_model
+
+        self.device, self.dtype, self.why = choose(model_dir, device)
+        self.bound = bound(model_type, self.dtype, store_dtype)
+        self.layer_ids = list(layer_ids)
+        self._model = load_hf_model(model_dir, self.dtype, self.device)
+        self._extractor = HFExtractor(self._model, self.layer_ids)
+
+    def check(self, sample_id: str, input_ids: list[int], states: torch.Tensor) -> list[dict]:
+        """states [T, L, H] as captured -> per layer {id, layer, cosine, max_abs_diff, rel_diff, ok}."""
+        from .dataset import Sample
+
+        ref = self._extractor.extract([Sample(sample_id, 0, list(input_ids), [])])[0]  # [T, L, H]
+        return [{"id": sample_id, "layer": k, "cosine": cos, "max_abs_diff": diff, "rel_diff": rel,
+                 "ok": self.bound.ok(cos, rel)}
+                for k, (cos, diff, rel) in zip(self.layer_ids, compare(states, ref))]
+
+    def close(self) -> None:
+        self._extractor.remove()
+        self._model = self._extractor = None
+        if self.device.startswith("cuda"):
+            torch.cuda.empty_cache()
 
 
 def model_type_of(model_dir: Path) -> str:

@@ -161,7 +161,6 @@ def _run(cfg: SelftestConfig, report: SelftestReport, on_gpu: bool, work: Path) 
 
 
 def _run_vx(model_dir, layers, samples, info, out: Path, common: dict) -> tuple[float, str]:
-    from .shard_file import ERRORS  # noqa: F401  (the output's layout)
     from .vllm_backend import VllmExtractor
 
     out.mkdir(parents=True, exist_ok=True)
@@ -224,39 +223,36 @@ def _run_bare(model_dir, samples, work: Path, common: dict) -> float:
 
 def _compare(report: SelftestReport, out: Path, samples, model_dir, info) -> None:
     """Every sample against the HF reference on this device; per layer the worst."""
-    from . import reference
-    from .hf_backend import HFExtractor, load_hf_model
     from .reader import open_dataset
+    from .reference import Reference
 
     ds = open_dataset(out)
-    missing = sorted({s.id for s in samples} - set(ds.ids))
+    stored = set(ds.ids)
+    missing = sorted({s.id for s in samples} - stored)
     if missing:
         report.failures.append(f"{len(missing)} samples missing from the output, first {missing[0]!r}")
-    device, dtype, why = reference.choose(model_dir)
-    limit = reference.bound(info.model_type, dtype, "bf16")
-    hf = load_hf_model(model_dir, dtype, device)
-    ex = HFExtractor(hf, ds.layer_ids)
+    ref = Reference(model_dir, ds.layer_ids, info.model_type)
+    limit = ref.bound
     worst = {k: {"layer": k, "min_cosine": 1.0, "max_rel_diff": 0.0, "worst_sample": None} for k in ds.layer_ids}
     for s in samples:
-        if s.id not in set(ds.ids):
+        if s.id not in stored:
             continue
         item = ds[s.id]
         if item["input_ids"].tolist() != s.input_ids:
             report.failures.append(f"sample {s.id!r}: stored token ids differ from the submitted ones")
             continue
-        ref = ex.extract([s])[0]
-        for k, (cos, rel) in zip(ds.layer_ids, reference.compare(item["hidden_states"], ref)):
-            w = worst[k]
-            if cos < w["min_cosine"]:
-                w.update(min_cosine=cos, worst_sample=s.id)
-            w["max_rel_diff"] = max(w["max_rel_diff"], rel)
-            if not limit.ok(cos, rel):
-                report.failures.append(f"sample {s.id!r} layer {k}: cosine {cos:.6f}, max |diff| {rel:.3g} x "
-                                       f"max |ref| (bound: cosine >= {limit.min_cosine}, max |diff| <= "
-                                       f"{limit.max_rel_diff} x max |ref|)")
-    ex.remove()
+        for r in ref.check(s.id, s.input_ids, item["hidden_states"]):
+            w = worst[r["layer"]]
+            if r["cosine"] < w["min_cosine"]:
+                w.update(min_cosine=r["cosine"], worst_sample=s.id)
+            w["max_rel_diff"] = max(w["max_rel_diff"], r["rel_diff"])
+            if not r["ok"]:
+                report.failures.append(f"sample {s.id!r} layer {r['layer']}: cosine {r['cosine']:.6f}, max |diff| "
+                                       f"{r['rel_diff']:.3g} x max |ref| (bound: cosine >= {limit.min_cosine}, "
+                                       f"max |diff| <= {limit.max_rel_diff} x max |ref|)")
+    ref.close()
     report.layers = list(worst.values())
-    report.row("reference", f"HF {why}")
+    report.row("reference", f"HF {ref.why}")
     report.row("bound", f"per sample and layer: cosine >= {limit.min_cosine}, max |diff| <= {limit.max_rel_diff} "
                         "x max |ref|")
 

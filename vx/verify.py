@@ -13,7 +13,6 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 
 from .errors import UsageError
 from .reader import open_dataset
@@ -93,19 +92,16 @@ def _verify(out: Path, model, samples, min_cosine, seed, device, remote=None) ->
             report.bad_shards.append(rec["shard"])
     if samples <= 0 or not len(ds):
         return report
-    from . import reference
-    from .dataset import Sample
-    from .hf_backend import HFExtractor, load_hf_model
     from .model import resolve_model
+    from .reference import Bound, Reference
 
-    model_dir = resolve_model(model or ds.meta["model"])
-    device, dtype, why = reference.choose(model_dir, device)
-    limits = reference.bound(ds.meta.get("model_type", "?"), dtype, ds.meta.get("store_dtype", "bf16"))
-    report.min_cosine = min_cosine if min_cosine is not None else limits.min_cosine
-    report.max_rel_diff = None if min_cosine is not None else limits.max_rel_diff
-    report.reference = why
-    hf = load_hf_model(model_dir, dtype, device)
-    ex = HFExtractor(hf, ds.layer_ids)
+    ref = Reference(resolve_model(model or ds.meta["model"]), ds.layer_ids, ds.meta.get("model_type", "?"),
+                    ds.meta.get("store_dtype", "bf16"), device)
+    if min_cosine is not None:  # the user's bound replaces the reference's (cosine only)
+        ref.bound = Bound(min_cosine, float("inf"))
+    report.min_cosine = ref.bound.min_cosine
+    report.max_rel_diff = None if min_cosine is not None else ref.bound.max_rel_diff
+    report.reference = ref.why
     for i in sorted(random.Random(seed).sample(range(len(ds)), min(samples, len(ds)))):
         if client is not None:  # fetch the sample's shard, then check its bytes against the manifest
             rec = ds.shards[ds._loc[i][0]]
@@ -116,16 +112,6 @@ def _verify(out: Path, model, samples, min_cosine, seed, device, remote=None) ->
                 if sha256_file(path) != rec["sha256"] and rec["shard"] not in report.bad_shards:
                     report.bad_shards.append(rec["shard"])
         item = ds[i]
-        ids = item["input_ids"].tolist()
-        ref = ex.extract([Sample(item["id"], 0, ids, [])])[0]  # [T, L, H]
-        got = item["hidden_states"]
-        for (cos, rel), k, j in zip(reference.compare(got, ref), ds.layer_ids, range(len(ds.layer_ids))):
-            diff = (got[:, j].float() - ref[:, j].float().cpu()).abs().max().item()
-            ok = cos >= report.min_cosine and (report.max_rel_diff is None or rel <= report.max_rel_diff)
-            report.samples.append({"id": item["id"], "layer": k, "cosine": cos, "max_abs_diff": diff,
-                                   "rel_diff": rel, "ok": ok})
-    ex.remove()
-    del ex, hf
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
+        report.samples += ref.check(item["id"], item["input_ids"].tolist(), item["hidden_states"])
+    ref.close()
     return report
