@@ -187,7 +187,6 @@ class CaptureSink:
         stream.wait_stream(torch.cuda.current_stream(kv_cache.device))
         with torch.cuda.stream(stream):
             slots = slots.pin_memory().to(kv_cache.device, non_blocking=True)
-            starts = list(range(0, group.rows, self.chunk_rows))
 
             def to_ring(start, stored, scales, finite, zero):  # [t, L, H], [t, L] | None, [t], [t, L]
                 regions = [stored, finite, zero] + ([scales] if scales is not None else [])
@@ -199,7 +198,7 @@ class CaptureSink:
                 event = torch.cuda.Event()
                 event.record(stream)
                 chunk = _Chunk(group, start, [host[0], host[3] if scales is not None else None, host[1], host[2]],
-                               event, token, last=start == starts[-1])
+                               event, token, last=start + stored.shape[0] == group.rows)
                 self._queue.put(chunk)
 
             capture_chunks(kv_cache, slots, self.store_dtype, self.chunk_rows, to_ring)

@@ -234,8 +234,9 @@ class VllmExtractor:
 
 def warm_up(engine, step_tokens: int, max_model_len: int, params) -> float:
     """Dummy prefills covering the token-count buckets a run will see, up to a full step
-    (kernels compile and autotune here, not in the timed loop); a bucket larger than one request
-    may be is filled by several. vx's engine does not capture them (params carry vx_warmup)."""
+    (kernels compile and autotune here, not in the timed loop); a bucket larger than the longest
+    request the engine takes is filled by several. vx's engine does not capture them (params
+    carry vx_warmup)."""
     t0 = time.perf_counter()
     longest = max_model_len - 1
     sizes, n = [], 16
