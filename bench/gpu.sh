@@ -23,7 +23,7 @@ MODEL=$(mktemp -d /tmp/vx-27b-config.XXXX)
 import os, sys
 sys.path.insert(0, "bench")
 from gpu import qwen36_27b_config
-from vx.tiny import build_tokenizer, tiny_text_config
+from vx.data.tiny import build_tokenizer, tiny_text_config
 tokenizer = build_tokenizer(sys.argv[1])
 config = tiny_text_config(tokenizer) if os.environ.get("VX_BENCH_SMOKE") == "1" else qwen36_27b_config()
 config.max_position_embeddings = 262144  # Qwen3.6's own

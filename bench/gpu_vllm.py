@@ -34,7 +34,7 @@ def model_dir(smoke: bool) -> Path:
     """A checkpoint directory with the 27B config and a small tokenizer, and no weights."""
     from gpu import qwen36_27b_config
 
-    from vx.tiny import build_tokenizer, tiny_text_config
+    from vx.data.tiny import build_tokenizer, tiny_text_config
 
     path = Path(tempfile.mkdtemp(prefix="vx-27b-"))
     tok = build_tokenizer(path)
@@ -51,8 +51,8 @@ def main():
     from gpu import length_mix
     from throughput import run_vllm_bare, run_vllm_builtin, run_vx_vllm, vllm_engines
 
-    from vx.dataset import Sample
-    from vx.layers import default_layer_ids
+    from vx.data.samples import Sample
+    from vx.data.layers import default_layer_ids
 
     t_start = time.perf_counter()
     smoke = os.environ.get("VX_BENCH_SMOKE") == "1"

@@ -48,12 +48,12 @@ def tokenizer():
     try:
         from common import bench_model
 
-        from vx.model import load_tokenizer
+        from vx.data.model import load_tokenizer
 
         return load_tokenizer(bench_model()), "Qwen3.6 (248k)"
     except ImportError:
-        from vx.model import load_tokenizer
-        from vx.tiny import default_model_dir
+        from vx.data.model import load_tokenizer
+        from vx.data.tiny import default_model_dir
 
         return load_tokenizer(default_model_dir()), "tiny (566)"
 
@@ -64,8 +64,8 @@ def main() -> None:
     args = ap.parse_args()
     if not REAL_CHAT.exists():
         raise SystemExit(f"bench/inputs.py needs {REAL_CHAT} (../shared beside the checkout); it is absent here")
-    from vx.dataset import Sample, Tokenize, read_samples
-    from vx.sources import Input
+    from vx.data.samples import Sample, Tokenize, read_samples
+    from vx.data.inputs import Input
 
     raw = REAL_CHAT.read_bytes()
     records = [json.loads(line) for line in raw.splitlines() if line.strip()]

@@ -20,9 +20,9 @@ from pathlib import Path
 
 CHILD = """
 import sys, json
-from vx.tiny import default_model_dir
+from vx.data.tiny import default_model_dir
 from vx.device import engine_env
-from vx.vllm_backend import engine_kwargs
+from vx.engine.vllm_engine import engine_kwargs
 import torch
 engine_env()
 kw = engine_kwargs(default_model_dir(), [1, 2, 3, 4, 5], on_cpu=not torch.cuda.is_available(),

@@ -34,8 +34,8 @@ CREDS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DE
 
 def write_output(out: Path, target_bytes: int, hidden: int, seed: int = 0, mean_tokens: int = 335) -> dict:
     """A vx output of random bf16 states, ~target_bytes of hidden states, 64 MB shards."""
-    from vx.output import prepare_output
-    from vx.shards import ShardWriter
+    from vx.store.output import prepare_output
+    from vx.store.writer import ShardWriter
 
     meta = {"format": "vx-1", "model": "synthetic", "model_fingerprint": "bench", "layer_ids": list(range(LAYERS)),
             "hidden_size": hidden, "store_dtype": "bf16"}

@@ -25,9 +25,9 @@ HERE = Path(__file__).resolve().parent
 def child(method: str, model_dir: str, batch: int, seq: int) -> dict:
     import torch
 
-    from vx.dataset import Sample
-    from vx.hf_backend import HFExtractor, load_hf_model
-    from vx.layers import default_layer_ids
+    from vx.data.samples import Sample
+    from vx.engine.hf_extractor import HFExtractor, load_hf_model
+    from vx.data.layers import default_layer_ids
 
     model = load_hf_model(model_dir, "bfloat16")
     cuda = torch.cuda.is_available()
@@ -74,7 +74,8 @@ def main(argv=None):
     if args.child:
         print(json.dumps(child(args.child[0], args.child[1], args.batch, args.seq)))
         return None
-    from vx.tiny import build_tiny_model, cache_dir
+    from vx.data.tiny import build_tiny_model
+    from vx.home import cache_dir
 
     model_dir = cache_dir() / f"bench-mem-L{args.layers}-H{args.hidden}-V{args.vocab}"
     if not (model_dir / "config.json").exists():

@@ -33,8 +33,9 @@ def read_rows(n: int) -> list[dict]:
 
 
 def run_vx(rows: list[dict], max_tokens: int) -> dict:
-    from vx.regenerate import RegenConfig, run_regenerate
-    from vx.tiny import default_model_dir
+    from vx.regenerate.config import RegenConfig
+    from vx.regenerate.run import run_regenerate
+    from vx.data.tiny import default_model_dir
 
     with tempfile.TemporaryDirectory(prefix="vx-bench-regen-") as tmp:
         data = Path(tmp) / "prompts.jsonl"
@@ -45,9 +46,9 @@ def run_vx(rows: list[dict], max_tokens: int) -> dict:
 
 
 def run_plain(rows: list[dict], max_tokens: int) -> dict:
-    from vx.chat import ChatTemplate, conversation
-    from vx.model import load_tokenizer
-    from vx.tiny import default_model_dir
+    from vx.data.chat import ChatTemplate, conversation
+    from vx.data.model import load_tokenizer
+    from vx.data.tiny import default_model_dir
 
     model = default_model_dir()
     tok = load_tokenizer(model)
@@ -58,7 +59,7 @@ def run_plain(rows: list[dict], max_tokens: int) -> dict:
         prompts.append({"prompt_token_ids": tok(chat.render(msgs, gen=True), add_special_tokens=False)["input_ids"]})
     from vllm import LLM, SamplingParams
 
-    from vx.vllm_backend import stop_engine_core
+    from vx.engine.vllm_engine import stop_engine_core
 
     llm = LLM(model=str(model), dtype="bfloat16", enforce_eager=True, gpu_memory_utilization=0.3,
               enable_prefix_caching=True, seed=0)

@@ -33,7 +33,7 @@ def raw_write(path: Path, total: int, chunk: int = 8 << 20) -> float:
 def shard_write(out: Path, total: int, shard_mb: int) -> tuple[float, int]:
     import torch
 
-    from vx.shards import ShardWriter
+    from vx.store.writer import ShardWriter
 
     layers, hidden, tokens = 5, 5120, 512  # one sample = 512 tokens of a 27B-shaped target
     sample = torch.randn(tokens, layers, hidden).to(torch.bfloat16)

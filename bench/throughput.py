@@ -54,8 +54,8 @@ def run_hf_naive(model, samples, layer_ids):
 
 
 def run_hf_hooks(model, samples, layer_ids, hidden, out: Path, batch_size=128, max_batch_tokens=65536):
-    from vx.hf_backend import HFExtractor, length_sorted_batches
-    from vx.shards import ShardWriter
+    from vx.engine.hf_extractor import HFExtractor, length_sorted_batches
+    from vx.store.writer import ShardWriter
 
     ex = HFExtractor(model, layer_ids)
     writer = ShardWriter(out, {"model": "bench"}, SHARD_BYTES, 0, len(layer_ids), hidden, "bf16")
@@ -105,7 +105,8 @@ def vllm_engines(modes, model_dir, layer_ids, eager: bool, storage: Path, warmup
     import torch
     from vllm import LLM
 
-    from vx.vllm_backend import VllmExtractor, engine_kwargs
+    from vx.engine.vllm_extractor import VllmExtractor
+    from vx.engine.vllm_engine import engine_kwargs
 
     on_cpu = not torch.cuda.is_available()
     util = util or (0.08 if on_cpu else 0.9 / len(modes))
@@ -155,7 +156,7 @@ def timed(fn, *args):
 def rss_scaling(ex, samples, hidden, tmp: Path, factor: int = 10) -> dict:
     """Peak RSS growth of vx-vllm on N and factor x N samples, streamed from a generator, with
     8 MB shards (memory is bounded by the open shard, so it must be small against the data)."""
-    from vx.dataset import Sample
+    from vx.data.samples import Sample
 
     def stream(n):
         for i in range(n):
@@ -187,9 +188,9 @@ def main(argv=None):
 
     import torch
 
-    from vx.hf_backend import load_hf_model
-    from vx.layers import default_layer_ids
-    from vx.model import load_tokenizer, model_info
+    from vx.engine.hf_extractor import load_hf_model
+    from vx.data.layers import default_layer_ids
+    from vx.data.model import load_tokenizer, model_info
 
     t0 = time.perf_counter()
     model_dir = bench_model(args.layers)

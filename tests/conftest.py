@@ -22,28 +22,28 @@ def cache_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model(cache_dir) -> Path:
-    from vx.tiny import default_model_dir
+    from vx.data.tiny import default_model_dir
 
     return default_model_dir()
 
 
 @pytest.fixture(scope="session")
 def tiny_vl_model(tiny_model, cache_dir) -> Path:
-    from vx.tiny import build_vl_twin
+    from vx.data.tiny import build_vl_twin
 
     return build_vl_twin(tiny_model, cache_dir / "tiny-vl")
 
 
 @pytest.fixture(scope="session")
 def fp32_model(tiny_model):
-    from vx.hf_backend import load_hf_model
+    from vx.engine.hf_extractor import load_hf_model
 
     return load_hf_model(tiny_model, "float32", "cpu")
 
 
 @pytest.fixture(scope="session")
 def tokenizer(tiny_model):
-    from vx.model import load_tokenizer
+    from vx.data.model import load_tokenizer
 
     return load_tokenizer(tiny_model)
 

@@ -98,7 +98,7 @@ def _patch_llm_on_import() -> None:
 
 if __name__ == "__main__":
     # python tests/fake_cuda.py cli ARGS...     : the vx command, up to its engine's start
-    # python tests/fake_cuda.py worker CONFIG  : a launcher's partition worker (python -m vx.launch)
+    # python tests/fake_cuda.py worker CONFIG  : a launcher's partition worker (python -m vx.jobs.data_parallel)
     # python tests/fake_cuda.py slots CONFIG   : the launcher's engine slots for an ExtractConfig
     import json
     import sys
@@ -112,13 +112,13 @@ if __name__ == "__main__":
 
             main(args)
         elif mode == "worker":
-            from vx.launch import worker_main
+            from vx.jobs.data_parallel import worker_main
 
             worker_main(args)
         elif mode == "slots":
-            from vx.config import ExtractConfig
+            from vx.jobs.config import ExtractConfig
             from vx.errors import UsageError
-            from vx.launch import worker_slots
+            from vx.launch.workers import worker_slots
 
             try:
                 slots = worker_slots(ExtractConfig(**json.loads(args[0])))

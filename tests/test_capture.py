@@ -1,4 +1,4 @@
-"""The worker's capture hot path (vx/capture.py), on real tensors and a real ShardWriter.
+"""The worker's capture hot path (vx/engine/capture.py), on real tensors and a real ShardWriter.
 
 The hidden-state cache is laid out as vLLM's cache-only group lays it: [blocks, L, block_size, H],
 a request's rows at slots block_ids[i] * block_size + offset. Each test builds such a cache from
@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import vx
-from vx.capture import CaptureSink, Finished, gather_rows, slots_of
-from vx.pinned_ring import PinnedRing
-from vx.shards import ShardWriter
-from vx.storage import FP8_MAX
+from vx.engine.capture import CaptureSink, Finished, gather_rows, slots_of
+from vx.engine.pinned_ring import PinnedRing
+from vx.store.writer import ShardWriter
+from vx.store.encoding import FP8_MAX
 
 L, H, BS = 3, 16, 4
 
@@ -125,7 +125,7 @@ def _peak_bytes(fn) -> int:
 def test_the_chunked_gather_never_holds_more_than_its_bound(store):
     """A group of 3,000 finished rows (one long sample's worth) gathered and encoded 100 rows at a
     time asks for at most 100 rows' bound at once; all at once it would ask for 30x that."""
-    from vx.capture import capture_chunks, device_row_bytes
+    from vx.engine.capture import capture_chunks, device_row_bytes
 
     layers, hidden, bs = 5, 512, 16
     cache = torch.randn(200, layers, bs, hidden, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
@@ -161,7 +161,7 @@ def test_shards_are_bit_identical_whatever_the_chunk_size(tmp_path, store):
 
 
 def test_fp8_encoding_is_the_same_division_as_before_without_a_second_fp32_copy():
-    from vx.storage import encode_on
+    from vx.store.encoding import encode_on
 
     x = torch.randn(50, 4, 96, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16) * 30
     q, scales = encode_on(x, "fp8")
@@ -176,7 +176,7 @@ def test_fp8_encoding_is_the_same_division_as_before_without_a_second_fp32_copy(
 
 def test_the_ring_holds_three_full_steps_and_a_chunk_fits_the_side_stream_budget():
     """The issue's numbers: a 27B target (5 layers x 5,120) at vx's GPU step of 8,192 tokens."""
-    from vx.capture import DEVICE_BYTES, capture_budget, device_row_bytes
+    from vx.engine.capture import DEVICE_BYTES, capture_budget, device_row_bytes
 
     for store, row in (("bf16", 5 * 5120 * 2), ("fp8", 5 * 5120 + 4 * 5)):
         b = capture_budget(8192, 5, 5120, store)

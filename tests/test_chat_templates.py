@@ -9,7 +9,7 @@ import json
 import vx
 from conftest import write_jsonl
 from test_cli import vx_cmd
-from vx.dataset import Reading, Tokenize
+from vx.data.samples import Reading, Tokenize
 
 QWEN3_STYLE = """\
 {%- if tools %}{{- '<|im_start|>system\\n' }}{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}

@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from vx.config import ExtractConfig
-from vx.dataset import BadLine, Sample, read_samples
+from vx.jobs.config import ExtractConfig
+from vx.data.samples import BadLine, Sample, read_samples
 from vx.errors import UsageError
-from vx.extract import run_extract
+from vx.jobs.extract import run_extract
 
 from conftest import write_jsonl
 
@@ -66,7 +66,7 @@ def test_loss_mask_covers_exactly_the_assistant_replies(tokenizer, tmp_path):
 
 
 def test_templates_without_generation_marks_give_the_mask_the_marks_give(tokenizer):
-    from vx.chat import ChatTemplate
+    from vx.data.chat import ChatTemplate
 
     unmarked = tokenizer.chat_template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
@@ -94,7 +94,7 @@ def test_ids_outside_the_vocabulary_are_bad_lines(tokenizer, tmp_path):
 def test_a_sample_whose_states_go_bad_is_recorded_with_its_line_and_not_committed(tiny_model, tmp_path, monkeypatch):
     import torch
 
-    from vx import hf_backend
+    from vx.engine import hf_extractor as hf_backend
 
     real_extract = hf_backend.HFExtractor.extract
 

@@ -104,7 +104,7 @@ def test_an_output_a_live_process_still_writes_is_refused_untouched(tmp_path, ti
     out = tmp_path / "out"
     out.mkdir()
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from vx.shards import ShardWriter; "
+        [sys.executable, "-c", "import sys, time; from vx.store.writer import ShardWriter; "
          f"w = ShardWriter({str(out)!r}, {{}}, 10**6, 0, 5, 256, 'bf16'); print('ready', flush=True); "
          "time.sleep(600)"], stdout=subprocess.PIPE, text=True)
     try:

@@ -47,9 +47,9 @@ def assert_fork_safe(probe: dict) -> None:
 
 
 def test_extract_is_fork_safe_and_sizes_max_model_len_from_the_data(tmp_path, tiny_model, tokenizer):
-    from vx.dataset import Reading, Tokenize, read_samples
-    from vx.model import model_info
-    from vx.sources import Input
+    from vx.data.samples import Reading, Tokenize, read_samples
+    from vx.data.model import model_info
+    from vx.data.inputs import Input
 
     r = fake_gpu_run("cli", "extract", CHAT, "-o", str(tmp_path / "out"), "--backend", "vllm", tmp_path=tmp_path)
     probe = probe_of(r)
@@ -68,8 +68,8 @@ def test_regenerate_is_fork_safe(tmp_path, tiny_model):
 
 
 def test_a_launchers_partition_worker_is_fork_safe(tmp_path, tiny_model):
-    from vx.config import ExtractConfig
-    from vx.launch import partition_config
+    from vx.jobs.config import ExtractConfig
+    from vx.jobs.data_parallel import partition_config
 
     cfg = ExtractConfig(data=CHAT, output=tmp_path / "out", backend="vllm", data_parallel_size=2)
     config = partition_config(cfg, 1, None)
@@ -119,7 +119,7 @@ WORKER = textwrap.dedent("""
 
 
 def test_a_freed_slot_is_reused_only_after_its_workers_group_is_gone(tmp_path):
-    from vx.launch import Tally, read_events, run_workers
+    from vx.launch.workers import Tally, read_events, run_workers
     from vx.progress import RunProgress
 
     started = {}
@@ -151,7 +151,7 @@ def test_tensor_parallel_pages_for_27b_class_targets():
     state, ~0.4-1.6 MB per rank, against 51,200 B of states per token); a dense target with 8 KV
     heads is from TP 2 on, and the vLLM vx runs scales its pages (PR #50894, in 0.32 and 0.33);
     without that fix the run stops before any weight loads."""
-    from vx.engine_defaults import check_tensor_parallel_pages, page_check, vllm_scales_pages
+    from vx.engine.defaults import check_tensor_parallel_pages, page_check, vllm_scales_pages
     from vx.errors import UsageError
 
     hybrid = {"hidden_size": 5120, "num_key_value_heads": 4, "head_dim": 256, "num_attention_heads": 24,
@@ -168,7 +168,7 @@ def test_tensor_parallel_pages_for_27b_class_targets():
 
 
 def test_without_vllms_page_fix_an_exposed_run_stops_with_one_line(tmp_path, monkeypatch):
-    import vx.engine_defaults as ed
+    import vx.engine.defaults as ed
     from vx.errors import UsageError
 
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 5120, "num_key_value_heads": 8,

@@ -5,8 +5,8 @@ import random
 import pytest
 import torch
 
-from vx.dataset import Sample
-from vx.hf_backend import HFExtractor, length_sorted_batches, load_hf_model
+from vx.data.samples import Sample
+from vx.engine.hf_extractor import HFExtractor, length_sorted_batches, load_hf_model
 
 TOL = 1e-5  # fp32, batched + right-padded vs batch 1 unpadded
 

@@ -8,8 +8,8 @@ import pytest
 
 from conftest import write_jsonl
 from test_cli import vx_cmd
-from vx.dataset import BadLine, Sample, Tokenize, read_samples
-from vx.partition import make_plan
+from vx.data.samples import BadLine, Sample, Tokenize, read_samples
+from vx.launch.plan import make_plan
 
 ROWS = [{"id": f"r{i}", "messages": [{"role": "user", "content": f"question {i} " * (1 + i % 5)},
                                      {"role": "assistant", "content": f"answer {i} " * (2 + i % 7)}]}
@@ -69,7 +69,7 @@ def test_every_format_reads_as_the_same_samples_in_the_same_order(tokenizer, tmp
 def test_an_s3_object_and_an_s3_prefix_stream_as_the_local_files_do(tokenizer, tmp_path, monkeypatch):
     from test_s3 import CREDS, start_s3
     from s3_faults import free_port
-    from vx.sources import Input
+    from vx.data.inputs import Input
 
     for k, v in CREDS.items():
         monkeypatch.setenv(k, v)

@@ -3,7 +3,7 @@
 import pytest
 
 from vx.errors import UsageError
-from vx.layers import check_layer_ids, default_layer_ids, parse_layer_ids
+from vx.data.layers import check_layer_ids, default_layer_ids, parse_layer_ids
 
 
 def test_dflash_default_for_a_64_layer_target():

@@ -6,9 +6,9 @@ import torch
 from safetensors import safe_open
 
 import vx
-from vx.output import prepare_output
-from vx.shard_file import MANIFEST, read_manifest
-from vx.shards import ShardWriter
+from vx.store.output import prepare_output
+from vx.store.format import MANIFEST, read_manifest
+from vx.store.writer import ShardWriter
 
 L, H = 3, 16
 META = {"model": "m", "model_fingerprint": "f", "layer_ids": [0, 1, 2], "store_dtype": "bf16", "hidden_size": H}

@@ -6,7 +6,7 @@ import sys
 import numpy as np
 
 from conftest import ROOT, write_jsonl
-from vx.partition import assign, balance, line_weights, make_plan
+from vx.launch.plan import assign, balance, line_weights, make_plan
 
 
 
@@ -49,7 +49,7 @@ def test_plan_on_chat_like_data_is_token_balanced_within_5_percent_and_the_same_
         spread = balance(plan, weights, count)["spread"]
         print(f"{count} partitions: token spread {spread:.4%}")
         assert spread <= 0.05, f"{count} partitions: token spread {spread:.2%}"
-    code = ("import sys, numpy as np; from vx.partition import make_plan; "
+    code = ("import sys, numpy as np; from vx.launch.plan import make_plan; "
             "np.save(sys.argv[1], make_plan(sys.argv[2], sys.argv[3], 4, procs=1))")
     out = ROOT / ".plan-test.npy"  # another process, another hash seed, the work not split
     try:

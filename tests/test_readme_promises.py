@@ -71,7 +71,7 @@ def test_store_dtypes_and_zstd_round_trip_through_the_cli(backend, tmp_path, tin
 
 
 def test_another_model_hidden_size_or_store_dtype_on_the_same_output_is_refused(tmp_path, tiny_model):
-    from vx.tiny import build_tiny_model
+    from vx.data.tiny import build_tiny_model
 
     data = write_jsonl(tmp_path / "d.jsonl", ROWS[:2])
     out = str(tmp_path / "out")

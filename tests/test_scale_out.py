@@ -143,8 +143,8 @@ def test_data_parallel_to_s3_gives_one_verified_dataset(s3_server, tmp_path, tin
 
 
 def test_engine_slots_are_gpu_groups_of_the_tensor_parallel_size_or_disjoint_cpu_cores(tmp_path):
-    from vx.config import ExtractConfig
-    from vx.launch import worker_slots
+    from vx.jobs.config import ExtractConfig
+    from vx.launch.workers import worker_slots
 
     cfg = ExtractConfig(data=CHAT, output=tmp_path / "o", gpus=[4, 5, 6, 7], tensor_parallel_size=2)
     assert cfg.data_parallel_size == 2 and cfg.num_partitions == 2  # 4 GPUs = 2 engines x TP 2
@@ -156,7 +156,7 @@ def test_engine_slots_are_gpu_groups_of_the_tensor_parallel_size_or_disjoint_cpu
 
 
 def test_a_second_writer_on_the_same_output_stops_at_once(tmp_path, tiny_model):
-    from vx.output import output_lock
+    from vx.store.output import output_lock
 
     out = tmp_path / "out"
     with output_lock(out):  # another vx extract is writing here

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import vx
-from vx.dataset import Sample
-from vx.hf_backend import HFExtractor, load_hf_model
-from vx.vllm_backend import VllmExtractor
+from vx.data.samples import Sample
+from vx.engine.hf_extractor import HFExtractor, load_hf_model
+from vx.engine.vllm_extractor import VllmExtractor
 
 COS_MIN, REL_MAX = 0.9998, 0.04
 MAX_BATCHED, MAX_SEQS = 256, 8  # small, so long samples are chunked and requests queue
@@ -116,7 +116,7 @@ def test_vision_language_checkpoint_runs_text_only_and_matches(tiny_vl_model, ti
 
 
 def test_qwen3_next_hybrid_gdn_moe_matches_hf(cache_dir, tmp_path):
-    from vx.tiny import build_tiny_next
+    from vx.data.tiny import build_tiny_next
 
     model = build_tiny_next(cache_dir / "tiny-next")
     eng = VllmExtractor(model, [0, 2, 3], max_num_batched_tokens=MAX_BATCHED, max_num_seqs=MAX_SEQS,

@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from vx.engine_defaults import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, plan_memory
+from vx.engine.defaults import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, plan_memory
 from vx.errors import UsageError
-from vx.vllm_backend import engine_kwargs
-from vx.vllm_contract import check_vllm_contract, check_vllm_version
+from vx.engine.vllm_engine import engine_kwargs
+from vx.engine.contract import check_vllm_contract, check_vllm_version
 
 
 def engine_config(model, monkeypatch, **options):
@@ -36,7 +36,7 @@ def test_with_triton_present_vllm_picks_model_runner_v2_for_vx_engine(tiny_model
     # the engine is compiled by default (no forced eager) and runs vLLM's extraction method
     assert config.model_config.enforce_eager is False
     assert config.speculative_config.method == "extract_hidden_states"
-    assert config.kv_transfer_config.kv_connector_module_path == "vx.vllm_connector"
+    assert config.kv_transfer_config.kv_connector_module_path == "vx.engine.connector"
     aux = config.speculative_config.draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids
     assert list(aux) == [2, 3, 4, 5, 6]  # layer id k is the stream entering layer k + 1
 
@@ -73,7 +73,7 @@ def test_a_vllm_missing_the_runner_v2_extractor_stops_before_any_weight_loads(ti
     in seconds, no engine process started."""
     code = (
         "import sys; sys.modules['vllm.v1.worker.gpu.spec_decode.extract_hidden_states'] = None\n"
-        "from vx.vllm_backend import VllmExtractor\n"
+        "from vx.engine.vllm_extractor import VllmExtractor\n"
         "from vx.errors import UsageError\n"
         "try:\n"
         f"    VllmExtractor({str(tiny_model)!r}, [1, 2])\n"

@@ -1,4 +1,4 @@
-from .cli import entry
+from vx.cli import entry
 
 if __name__ == "__main__":
     entry()

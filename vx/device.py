@@ -72,7 +72,7 @@ def gpu_groups(gpus: list[int] | None, need: int) -> list[str] | None:
     """The device names (as CUDA_VISIBLE_DEVICES spells them) of the GPUs to use, or None on a
     machine without CUDA. `--gpus` ids index the GPUs this process sees: under SLURM or
     Kubernetes with CUDA_VISIBLE_DEVICES=4,5,6,7, `--gpus 0,1` is physical GPUs 4 and 5."""
-    from .errors import UsageError
+    from vx.errors import UsageError
 
     visible = visible_gpus()
     if gpus is None:

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from . import app
+from vx.cli.app import app
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -27,7 +27,7 @@ def bench(
 
       vx bench --samples 480 --modes vllm-bare,vllm-builtin,vx-vllm --compile eager
     """
-    from ..errors import UsageError
+    from vx.errors import UsageError
 
     script = Path(__file__).resolve().parents[2] / "bench" / "throughput.py"
     if not script.exists():

@@ -7,8 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from . import app
-from .options import Layers, ModelPath, OutputDir, Progress, parse_gpus
+from vx.cli.app import app
+from vx.cli.options import Layers, ModelPath, OutputDir, Progress, parse_gpus
 
 
 @app.command(no_args_is_help=True)
@@ -75,9 +75,9 @@ def extract(
 
       vx extract chats.jsonl -o s3://bucket/run1 --num-partitions 16 --partition-index $SLURM_ARRAY_TASK_ID
     """
-    from ..config import ExtractConfig
-    from ..extract import require_samples, run_extract
-    from ..layers import parse_layer_ids
+    from vx.data.layers import parse_layer_ids
+    from vx.jobs.config import ExtractConfig
+    from vx.jobs.extract import require_samples, run_extract
 
     cfg = ExtractConfig(
         data=data, output=output, model=model, backend=backend, layers=parse_layer_ids(layers),
@@ -92,11 +92,11 @@ def extract(
         partition_index=partition_index, ray=ray, ray_address=ray_address, max_retries=max_retries,
     )
     if cfg.ray:
-        from ..ray_launch import run_ray
+        from vx.jobs.ray_cluster import run_ray
 
         s = run_ray(cfg, progress=progress)
     elif cfg.data_parallel_size > 1:
-        from ..launch import run_data_parallel
+        from vx.jobs.data_parallel import run_data_parallel
 
         s = run_data_parallel(cfg, progress=progress)
     else:
@@ -104,8 +104,8 @@ def extract(
     require_samples(cfg, s)
     report = None
     if cfg.verify:  # the engine has released the device: the HF reference runs there now
-        from ..verify import verify as run_verify
-        from .verify import report_json
+        from vx.cli.verify import report_json
+        from vx.jobs.verify import verify as run_verify
 
         target = cfg.upload if cfg.upload and not cfg.keep_local else str(cfg.output)
         report = run_verify(target, cfg.model, cfg.verify, endpoint_url=cfg.endpoint_url)
@@ -114,8 +114,8 @@ def extract(
     else:
         _print_summary(s, report)
     if report is not None and not report.ok:
-        from ..errors import VxError
-        from .verify import failure
+        from vx.cli.verify import failure
+        from vx.errors import VxError
 
         raise VxError(f"--verify {cfg.verify}: " + failure(report))
 
@@ -143,7 +143,7 @@ def _print_summary(s, report) -> None:
         print(f"balance      token spread {b['token_spread']:.1%} across {len(s.partitions)} partitions, finish times "
               f"within {b['finish_spread_s']:.1f}s")
     if report is not None:
-        from .verify import report_lines
+        from vx.cli.verify import report_lines
 
         for line in report_lines(report):
             print(line)

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from . import app
+from vx.cli.app import app
 
 
 @app.command(no_args_is_help=True)
@@ -25,10 +25,10 @@ def inspect(
 
       vx inspect out/ --sample 42
     """
-    from ..errors import UsageError
-    from ..output import output_dirs, part_dirs
-    from ..reader import open_dataset
-    from ..shard_file import ERRORS
+    from vx.errors import UsageError
+    from vx.store.format import ERRORS
+    from vx.store.output import output_dirs, part_dirs
+    from vx.store.reader import open_dataset
 
     ds = open_dataset(output)
     if not ds.meta:

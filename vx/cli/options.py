@@ -20,6 +20,6 @@ def parse_gpus(text: str | None) -> list[int] | None:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        from ..errors import UsageError
+        from vx.errors import UsageError
 
         raise UsageError(f"--gpus must be comma-separated GPU ids, got {text!r}") from None

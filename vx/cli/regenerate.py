@@ -7,8 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from . import app
-from .options import ModelPath, Progress, parse_gpus
+from vx.cli.app import app
+from vx.cli.options import ModelPath, Progress, parse_gpus
 
 
 @app.command(no_args_is_help=True)
@@ -58,7 +58,8 @@ def regenerate(
 
       vx regenerate chats.jsonl -o /shared/regen.jsonl --num-partitions 16 --partition-index $SLURM_ARRAY_TASK_ID
     """
-    from ..regenerate import RegenConfig, run_regenerate
+    from vx.regenerate.config import RegenConfig
+    from vx.regenerate.run import run_regenerate
 
     cfg = RegenConfig(data=data, output=output, model=model, turns=turns, temperature=temperature, top_p=top_p,
                       top_k=top_k, max_tokens=max_tokens, seed=seed, chat_template=chat_template,
@@ -70,7 +71,7 @@ def regenerate(
                       gpus=parse_gpus(gpus), num_partitions=num_partitions, partition_index=partition_index,
                       ray=ray, ray_address=ray_address, max_retries=max_retries)
     if cfg.launcher:
-        from ..regen_launch import run_partitions
+        from vx.regenerate.partitions import run_partitions
 
         s = run_partitions(cfg, progress=progress)
     else:

@@ -7,8 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from . import app
-from .options import ModelPath, parse_gpus
+from vx.cli.app import app
+from vx.cli.options import ModelPath, parse_gpus
 
 
 @app.command()
@@ -40,8 +40,8 @@ def selftest(
     """
     from pathlib import Path
 
-    from ..errors import VxError
-    from ..selftest import SelftestConfig, run_selftest
+    from vx.errors import VxError
+    from vx.jobs.selftest import SelftestConfig, run_selftest
 
     _use_gpus(parse_gpus(gpus), tensor_parallel_size)
     cfg = SelftestConfig(model=model, tensor_parallel_size=tensor_parallel_size, samples=samples, bench=bench,
@@ -70,8 +70,8 @@ def _use_gpus(gpus: list[int] | None, tp: int) -> None:
 
     if gpus is None:
         return
-    from ..errors import UsageError
-    from ..device import gpu_groups
+    from vx.device import gpu_groups
+    from vx.errors import UsageError
 
     if len(gpus) != tp:
         raise UsageError(f"--gpus lists {len(gpus)} GPUs for one engine of --tensor-parallel-size {tp}")

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from . import app
+from vx.cli.app import app
 
 
 @app.command(no_args_is_help=True)
@@ -30,8 +30,8 @@ def verify(
 
       vx verify s3://bucket/run1 --endpoint-url http://minio:9000
     """
-    from ..errors import VxError
-    from ..verify import verify as run_verify
+    from vx.errors import VxError
+    from vx.jobs.verify import verify as run_verify
 
     r = run_verify(output, model, samples, min_cosine, endpoint_url=endpoint_url, device=device)
     summary = report_json(r)

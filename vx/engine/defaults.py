@@ -1,0 +1,108 @@
+"""GPU engine defaults, from the memory arithmetic of extraction (README "Backends: cost").
+
+Per token, the engine keeps its attention KV plus, for vx, the cache-only hidden-state group:
+L x H x 2 bytes (5 x 5120 x 2 = 51,200 B for a 27B target). Per running request, a hybrid GDN
+model keeps one recurrent + conv state per GDN layer, and the extract_hidden_states method
+reserves one more state block per request (num_speculative_blocks = 1), so twice that.
+`plan_memory` does the sum; the defaults below are what it gives for a Qwen3.6-27B-class target
+on one 141 GB H200 at 0.9 utilisation (tested in tests/test_vllm_contract.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_NUM_BATCHED_TOKENS = 8192  # a full prefill step: ~25 average (335-token) samples
+MAX_NUM_SEQS = 128             # in flight: 2x what one full step finishes, GDN state still fits
+
+
+def default_budget(max_num_batched_tokens: int | None, max_num_seqs: int | None) -> tuple[int, int]:
+    return max_num_batched_tokens or MAX_NUM_BATCHED_TOKENS, max_num_seqs or MAX_NUM_SEQS
+
+
+@dataclass
+class MemoryPlan:
+    kv_bytes_per_token: int        # attention KV, all full-attention layers
+    states_bytes_per_token: int    # vx's cache-only hidden-state group
+    gdn_bytes_per_request: int     # recurrent + conv state of every GDN layer, x2 (spec block)
+    free_bytes: int                # for KV and states after weights and activations
+    max_tokens: int                # tokens of KV + states that fit beside max_num_seqs requests' GDN state
+    max_tokens_without_states: int
+
+    @property
+    def states_overhead(self) -> float:
+        return self.states_bytes_per_token / self.kv_bytes_per_token
+
+
+def plan_memory(*, gpu_bytes: float, utilization: float, weight_bytes: float, activation_bytes: float,
+                full_attention_layers: int, kv_heads: int, head_dim: int, gdn_layers: int, gdn_k_heads: int,
+                gdn_v_heads: int, gdn_k_dim: int, gdn_v_dim: int, conv_kernel: int, capture_layers: int,
+                hidden: int, max_num_seqs: int, dtype_bytes: int = 2, ssm_state_bytes: int = 4) -> MemoryPlan:
+    kv = full_attention_layers * 2 * kv_heads * head_dim * dtype_bytes
+    states = capture_layers * hidden * dtype_bytes
+    recurrent = gdn_v_heads * gdn_k_dim * gdn_v_dim * ssm_state_bytes  # vLLM keeps it in fp32 for Qwen3.5
+    conv = (2 * gdn_k_heads * gdn_k_dim + gdn_v_heads * gdn_v_dim) * (conv_kernel - 1) * dtype_bytes
+    gdn = gdn_layers * (recurrent + conv) * 2
+    free = gpu_bytes * utilization - weight_bytes - activation_bytes
+    left = free - max_num_seqs * gdn
+    return MemoryPlan(kv, states, gdn, int(free), int(left // (kv + states)), int(left // kv))
+
+
+def page_check(config: dict, tensor_parallel_size: int, capture_layers: int, dtype_bytes: int = 2,
+               block_size: int = 16) -> dict:
+    """vLLM issue #51016: with tensor parallelism the KV page of each rank shrinks (KV heads / TP)
+    while the hidden-state cache's per-token cost (capture_layers x hidden, never sharded) does
+    not; a page smaller than one token's states failed an assertion at engine start until vLLM
+    scaled the block sizes up (PR #50894, `_ensure_min_page_size`, in 0.32 and 0.33). From the
+    model's config (text_config for VL checkpoints): the per-rank common page and the per-token
+    state cost. Hybrid GDN models align the attention page to the GDN state page, far larger."""
+    text = config.get("text_config") or config
+    tp = tensor_parallel_size
+    hidden = int(text["hidden_size"])
+    heads = int(text.get("num_key_value_heads") or text.get("num_attention_heads", 1))
+    head_dim = int(text.get("head_dim") or hidden // int(text.get("num_attention_heads", 1)))
+    attention = block_size * 2 * max(1, heads // tp) * head_dim * dtype_bytes
+    gdn = 0
+    if "linear_attention" in (text.get("layer_types") or []):
+        v_heads = max(1, int(text["linear_num_value_heads"]) // tp)
+        k_heads = max(1, int(text["linear_num_key_heads"]) // tp)
+        k_dim, v_dim = int(text["linear_key_head_dim"]), int(text["linear_value_head_dim"])
+        conv = (2 * k_heads * k_dim + v_heads * v_dim) * (int(text.get("linear_conv_kernel_dim", 4)) - 1)
+        gdn = v_heads * k_dim * v_dim * 4 + conv * dtype_bytes
+    page = max(attention, gdn)
+    states = capture_layers * hidden * dtype_bytes
+    return {"tensor_parallel_size": tp, "page_bytes": page, "state_bytes_per_token": states,
+            "exposed": states > page}
+
+
+def vllm_scales_pages() -> bool:
+    """Whether the installed vLLM scales KV pages up to the hidden-state cost (the #51016 fix)."""
+    import importlib
+
+    for module in ("vllm.v1.core.kv_cache_planning", "vllm.v1.core.kv_cache_utils"):
+        try:
+            if hasattr(importlib.import_module(module), "_ensure_min_page_size"):
+                return True
+        except ImportError:
+            continue
+    return False
+
+
+def check_tensor_parallel_pages(model_dir, tensor_parallel_size: int, capture_layers: int, dtype_bytes: int = 2):
+    """Stop before any weight loads, with one line, where vLLM #51016 would fail the engine."""
+    import json
+    from pathlib import Path
+
+    from vx.errors import UsageError
+
+    if tensor_parallel_size <= 1:
+        return None
+    check = page_check(json.loads((Path(model_dir) / "config.json").read_text()), tensor_parallel_size,
+                       capture_layers, dtype_bytes)
+    if check["exposed"] and not vllm_scales_pages():
+        raise UsageError(
+            f"at --tensor-parallel-size {tensor_parallel_size} each rank's KV page ({check['page_bytes']:,} B) is "
+            f"smaller than one token's captured states ({check['state_bytes_per_token']:,} B), which this vLLM "
+            "cannot place (vLLM issue #51016, fixed by PR #50894): use a smaller tensor-parallel size, fewer "
+            "--layers, or a vLLM with the fix")
+    return check

@@ -1,0 +1,65 @@
+"""vLLM worker extension: opens and closes a capture run inside vLLM's worker process.
+
+Passed to vLLM as `worker_extension_cls="vx.engine.worker.VxWorkerExtension"`; vLLM mixes it into
+its Worker class (V1 runner and Model Runner V2 alike), and the driver calls the `vx_*` methods
+through `collective_rpc`. The capture itself is vx's KV connector (vx/engine/connector.py) and the
+CaptureSink (vx/engine/capture.py); this extension only attaches a sink with a ShardWriter to the
+connector for one run, reports progress, and closes it. Only tensor-parallel rank 0 writes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+WARMUP_PREFIX = "vxwarm-"
+
+
+class VxWorkerExtension:
+    """Methods run inside vLLM's worker process (prefix vx_ avoids clashes with Worker)."""
+
+    def vx_begin(self, out_dir: str, shard_meta: dict, shard_bytes: int, next_shard: int, layer_count: int,
+                 hidden_size: int, store_dtype: str, max_local_bytes: int | None = None,
+                 compress: str | None = None, ring_bytes: int = 1 << 28, chunk_rows: int = 8192) -> None:
+        """Open a ShardWriter and attach it to the capture connector (rank 0 only). ring_bytes and
+        chunk_rows: the driver's capture_budget for this engine's step (vx/engine/capture.py)."""
+        from vx.engine.capture import CaptureSink
+        from vx.engine.connector import worker_connector
+        from vx.engine.reaper import require_driver
+        from vx.store.writer import ShardWriter
+
+        conn = worker_connector()
+        if not conn.rank0:
+            return
+        if conn.sink is not None:
+            raise RuntimeError("vx: a capture run is already open in this worker")
+        writer = ShardWriter(Path(out_dir), shard_meta, shard_bytes, next_shard, layer_count, hidden_size,
+                             store_dtype, max_local_bytes=max_local_bytes, compress=compress, guard=require_driver)
+        conn.sink = CaptureSink(writer, store_dtype, conn.kv_cache.device, ring_bytes=ring_bytes,
+                                chunk_rows=chunk_rows)
+
+    def vx_status(self) -> dict:
+        """Samples the worker has taken from finished requests so far, and any writer failure."""
+        from vx.engine.connector import worker_connector
+
+        sink = worker_connector().sink
+        if sink is None:
+            return {}
+        return {"received": sink.received, "tokens": sink.tokens, "error": sink.error()}
+
+    def vx_finish(self) -> dict:
+        """Commit the last shard, detach the sink, return its stats."""
+        from vx.engine.connector import worker_connector
+
+        conn = worker_connector()
+        sink, conn.sink = conn.sink, None
+        if sink is None:
+            return {}
+        sink.close()
+        w = sink.writer
+        return {"samples": sink.received, "tokens": sink.tokens, "shards": w.committed_shards,
+                "bytes": w.committed_bytes, "rejected": w.rejected, "peak_local_bytes": w.peak_local_bytes,
+                "ring_waits": sink.ring_waits, "ring_bytes": sink.ring_bytes, "chunk_rows": sink.chunk_rows}
+
+    def vx_param_count(self, substring: str) -> int:
+        """Parameters of the loaded model whose name contains `substring` (tests: no vision tower)."""
+        return sum(p.numel() for n, p in self.model_runner.get_model().named_parameters() if substring in n)

@@ -1,0 +1,151 @@
+"""One flat, validated configuration for an extraction run."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from vx.data.chat import check_template_options
+from vx.errors import UsageError
+from vx.launch.options import check_scale_out
+
+BACKENDS = ("auto", "hf", "vllm")
+MODEL_DTYPES = ("auto", "bfloat16", "float16", "float32")
+OVERLONG = ("truncate", "skip")
+
+
+@dataclass
+class ExtractConfig:
+    data: str                                # file, directory, glob or s3:// URL (vx/data/inputs.py)
+    output: Path
+    model: str | None = None                 # local HF dir; None = embedded tiny default
+    backend: str = "auto"                    # auto = vllm when importable, else hf
+    layers: list[int] | None = None          # None = DFlash default for the model
+    batch_size: int = 128                    # hf: max samples per forward
+    max_batch_tokens: int = 65536            # hf: max padded tokens (batch x longest) per forward
+    sort_window: int = 8192                  # hf: samples sorted by length together (bounded memory)
+    max_length: int | None = None
+    overlong: str = "truncate"
+    messages_field: str = "messages"         # the record field holding the conversation
+    text_field: str = "text"
+    id_field: str = "id"
+    chat_template: str | None = None         # a Jinja template file overriding the tokenizer's
+    chat_template_kwargs: str | None = None  # JSON object passed to the template, e.g. {"enable_thinking": false}
+    verbose: bool = False                    # vLLM's INFO log live on stderr (always in OUT/logs/)
+    dtype: str = "auto"                      # compute dtype of the model
+    store_dtype: str = "bf16"
+    shard_size_mb: float = 1024.0
+    strict: bool = False
+    overwrite: bool = False
+    device: str | None = None                # hf: cuda if available, else cpu
+    # vllm engine flags, named as vLLM names them
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    max_model_len: int | None = None         # None: the longest sample the run submits, + 1 (from the plan)
+    gpu_memory_utilization: float | None = None  # None: 0.9 on GPU, 0.3 of host memory on CPU
+    tensor_parallel_size: int = 1
+    enforce_eager: bool | None = None        # None: compiled on GPU, the measured faster mode on CPU
+    # S3 sink
+    upload: str | None = None                # s3://bucket/prefix mirrored from the local output
+    endpoint_url: str | None = None          # S3-compatible endpoint
+    max_local_gb: float | None = None        # local shard bytes bound (backpressure)
+    keep_local: bool = False
+    compress: str | None = None              # None or "zstd": whole-shard compression
+    # scale-out
+    data_parallel_size: int = 1              # engines on this node, one per GPU group (CPU: per core group)
+    gpus: list[int] | None = None            # GPU ids to use, in groups of tensor_parallel_size
+    num_partitions: int = 1                  # the dataset split, token-balanced, into this many parts
+    partition_index: int | None = None       # run exactly this partition (SLURM arrays and the like)
+    ray: bool = False                        # schedule partitions as Ray tasks on an existing cluster
+    ray_address: str | None = None           # default: auto (RAY_ADDRESS or a local cluster)
+    max_retries: int = 3                     # ray: reschedules of a failed partition
+    verify: int = 0                          # after the run: recompute this many random samples with HF
+    plan_file: str | None = None             # internal: the partition plan a launcher computed
+    staged: bool = False                     # internal: output is the local staging dir of -o s3://
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if str(self.output).startswith("s3://"):  # stage locally, mirror to S3
+            if self.upload and self.upload != str(self.output):
+                raise UsageError("-o s3://... and --upload name two different targets")
+            from vx.s3_client import parse_s3_url
+            from vx.store.output import staging_dir
+
+            self.upload = str(self.output)
+            self.output = staging_dir(parse_s3_url(self.upload), self.endpoint_url)
+            self.staged = True
+        if self.upload:
+            from vx.s3_client import parse_s3_url
+
+            parse_s3_url(self.upload)
+        if self.compress not in (None, "zstd"):
+            raise UsageError(f"--compress must be zstd (or omitted), got {self.compress!r}")
+        if self.max_local_gb is not None and self.max_local_gb <= 0:
+            raise UsageError(f"--max-local-gb must be > 0, got {self.max_local_gb}")
+        self.data, self.output = str(self.data), Path(self.output)
+        if not self.data.startswith("s3://"):
+            self.source()  # a missing file, an empty glob or directory: refused before anything starts
+        self._check_reading()
+        if self.backend not in BACKENDS:
+            raise UsageError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.dtype not in MODEL_DTYPES:
+            raise UsageError(f"--dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")
+        from vx.store.encoding import STORE_DTYPES
+
+        if self.store_dtype not in STORE_DTYPES:
+            raise UsageError(f"--store-dtype must be one of {', '.join(STORE_DTYPES)}, got {self.store_dtype!r}")
+        if self.overlong not in OVERLONG:
+            raise UsageError(f"--overlong must be one of {', '.join(OVERLONG)}, got {self.overlong!r}")
+        for name in ("batch_size", "max_batch_tokens", "sort_window", "tensor_parallel_size"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_length", "max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+        if self.verify < 0:
+            raise UsageError(f"--verify must be >= 0 samples, got {self.verify}")
+        if self.shard_size_mb <= 0:
+            raise UsageError(f"--shard-size must be > 0 MB, got {self.shard_size_mb}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise UsageError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        check_scale_out(self)
+
+    def _check_reading(self) -> None:
+        for name in ("messages_field", "text_field", "id_field"):
+            if not getattr(self, name):
+                raise UsageError(f"--{name.replace('_', '-')} must not be empty")
+        check_template_options(self.chat_template, self.chat_template_kwargs)
+
+    def source(self):
+        """The input dataset (vx/data/inputs.py)."""
+        from vx.data.inputs import Input
+
+        return Input(self.data, self.endpoint_url)
+
+    def reading(self):
+        """How records become samples (vx/data/samples.py Reading): part of the partition plan's key."""
+        import json
+
+        from vx.data.samples import Reading
+
+        template = Path(self.chat_template).read_text() if self.chat_template else None
+        kwargs = json.dumps(json.loads(self.chat_template_kwargs or "{}"), sort_keys=True)
+        return Reading(self.messages_field, self.text_field, self.id_field, template, kwargs, self.max_length,
+                       self.overlong)
+
+    @property
+    def partitioned(self) -> bool:
+        return self.partition_index is not None
+
+    def portable_json(self) -> dict:
+        """The config for a worker on any machine: -o s3://... is staged by each worker itself."""
+        d = self.to_json()
+        if self.staged:
+            d.update(output=self.upload, upload=None, staged=False)
+        return d
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["output"] = str(self.output)
+        return d

@@ -1,0 +1,270 @@
+"""The extraction job: dataset -> tokens -> target-layer states -> committed shards."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Iterator
+
+from vx import __version__, faults
+from vx.data.layers import check_layer_ids, default_layer_ids
+from vx.data.model import load_tokenizer, model_info, resolve_model
+from vx.data.samples import BadLine, Sample, Tokenize, read_samples
+from vx.errors import UsageError, VxError
+from vx.jobs.config import ExtractConfig
+from vx.progress import RunProgress
+from vx.store.format import ERRORS
+from vx.store.output import ErrorLog, Output
+from vx.store.writer import ShardWriter
+
+
+@dataclass
+class Summary:
+    output: str
+    backend: str
+    samples: int
+    tokens: int
+    errors: int
+    resumed_samples: int
+    shards: int
+    bytes_written: int
+    load_s: float
+    warmup_s: float
+    extract_s: float
+    upload: str | None = None
+    uploaded_bytes: int = 0
+    upload_mb_s: float = 0.0
+    peak_local_bytes: int = 0
+    max_model_len: int | None = None  # vllm: the engine's longest request (the longest sample + 1)
+    partitions: list | None = None  # data parallel / Ray: one summary per partition
+    balance: dict | None = None     # tokens per partition and their spread
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.extract_s if self.extract_s else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.extract_s if self.extract_s else 0.0
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d.update(samples_per_s=round(self.samples_per_s, 2), tokens_per_s=round(self.tokens_per_s, 1))
+        return d
+
+
+def vllm_available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def choose_backend(requested: str) -> str:
+    if requested == "auto":
+        return "vllm" if vllm_available() else "hf"
+    if requested == "vllm" and not vllm_available():
+        raise UsageError("--backend vllm needs vLLM: pip install 'vx[cpu]' (CPU) or 'vx[gpu]' (GPU)")
+    return requested
+
+
+@dataclass
+class Job:
+    """What every worker of one extraction shares: the model, its layers, the output's identity."""
+    backend: str
+    model_dir: Path
+    info: object
+    layer_ids: list[int]
+    tokenizer: object
+    meta: dict
+    target: object | None  # S3Target of the root output, or None
+    source: object         # the input dataset (vx/data/inputs.py Input)
+    tokenize: Tokenize
+
+
+def prepare_job(cfg: ExtractConfig) -> Job:
+    backend = choose_backend(cfg.backend)
+    target = None
+    if cfg.upload:  # fail fast, before the model loads: endpoint, credentials, bucket, write access
+        from vx.s3_client import parse_s3_url
+        from vx.store.s3 import preflight
+
+        target = parse_s3_url(cfg.upload)
+        preflight(target, cfg.endpoint_url)
+    model_dir = resolve_model(cfg.model)
+    info = model_info(model_dir)
+    layer_ids = check_layer_ids(cfg.layers, info.num_layers) if cfg.layers else default_layer_ids(info.num_layers)
+    tokenizer = load_tokenizer(model_dir)
+    source = cfg.source()
+    tokenize = Tokenize(tokenizer, cfg.reading(), info.vocab_size)
+    meta = {
+        "format": "vx-1", "vx_version": __version__, "model": str(model_dir), "model_type": info.model_type,
+        "model_fingerprint": info.fingerprint,
+        "num_layers": info.num_layers, "layer_ids": layer_ids, "hidden_size": info.hidden_size,
+        "store_dtype": cfg.store_dtype, "compress": cfg.compress or "none", "backend": backend,
+    }
+    return Job(backend, model_dir, info, layer_ids, tokenizer, meta, target, source, tokenize)
+
+
+def check_dataset(cfg: ExtractConfig, job: Job) -> None:
+    """--strict: a full validation pass before any compute."""
+    for item in read_samples(job.source, job.tokenize):
+        if isinstance(item, BadLine):
+            raise UsageError(f"{item.where}: {item.reason} (id {item.id!r}); --strict stops before any compute")
+
+
+def prepare_root(cfg: ExtractConfig, job: Job) -> None:
+    """Launchers, once before their workers start: --overwrite, identity, root vx.json (local and S3)."""
+    Output.of(cfg).prepare_root(job.meta, cfg.overwrite)
+
+
+def run_extract(cfg: ExtractConfig, progress: bool | None = None, reporter=None) -> Summary:
+    """One process, one engine: the whole dataset, or one partition of it (cfg.partition_index)."""
+    t0 = time.perf_counter()
+    job = prepare_job(cfg)
+    if cfg.strict and not cfg.plan_file:  # a launcher (which hands out plan files) checked it once
+        check_dataset(cfg, job)
+    root = out = Output.of(cfg)
+    lines = plan = None
+    if cfg.partitioned:
+        cfg, out, lines, plan = _enter_partition(cfg, job, root)
+    if job.backend == "vllm" and not cfg.max_model_len:
+        cfg = replace(cfg, max_model_len=engine_max_model_len(cfg, job, plan))
+    out.reset_or_sync(cfg.overwrite)
+    elsewhere = root.committed_elsewhere(exclude=out)  # other partitions, of this run or an earlier one
+    with out.lock():
+        return _extract_locked(cfg, job, out, lines, elsewhere, progress, reporter, t0)
+
+
+def _extract_locked(cfg, job, out: Output, lines, elsewhere, progress, reporter, t0) -> Summary:
+    meta, info, layer_ids = job.meta, job.info, job.layer_ids
+    state = out.open(meta, cfg.overwrite)
+    if out.staged:
+        out.publish_meta()  # from now on the S3 prefix holds this extraction
+    skip = frozenset(state.committed_ids | elsewhere)
+    shard_meta = {k: json.dumps(v) if isinstance(v, list) else str(v) for k, v in meta.items()}
+    max_local = int(cfg.max_local_gb * 1e9) if cfg.max_local_gb else None
+    shard_args = (shard_meta, int(cfg.shard_size_mb * 1e6), state.next_shard, info.hidden_size, cfg.store_dtype,
+                  max_local, cfg.compress)
+    errors = ErrorLog(cfg.output)
+    uploader = out.uploader(cfg.keep_local, max_local)
+    total = len(lines) if lines is not None else job.source.count()
+    total = None if total is None else max(0, total - len(state.committed_ids))
+    bar = reporter if reporter is not None else RunProgress(total, enabled=progress)
+    if uploader is not None:
+        bar.status = uploader.status_line
+
+    def good_samples() -> Iterator[Sample]:
+        for item in read_samples(job.source, job.tokenize, skip_ids=skip, lines=lines):
+            if isinstance(item, BadLine):
+                errors.write(item.to_json())
+                bar.skip(1)
+            else:
+                yield item
+
+    max_model_len = None
+    try:
+        if job.backend == "hf":
+            def reject(sample_id: str, reason: str, line: int | None) -> None:  # in the writer thread
+                errors.write({"line": line, "id": sample_id, "reason": reason})
+                if cfg.strict:
+                    raise VxError(f"sample {sample_id!r} rejected: {reason} (--strict)")
+
+            writer = ShardWriter(cfg.output, shard_meta, shard_args[1], state.next_shard, len(layer_ids),
+                                 info.hidden_size, cfg.store_dtype, on_reject=reject, max_local_bytes=max_local,
+                                 compress=cfg.compress)
+            *stats, = _run_hf(cfg, job.model_dir, layer_ids, job.tokenizer, good_samples(), writer, bar, t0)
+            shards, nbytes, peak_local = writer.committed_shards, writer.committed_bytes, writer.peak_local_bytes
+        else:
+            from vx.engine.vllm_extractor import run_vllm
+
+            *stats, wstats = run_vllm(cfg, job.model_dir, info, layer_ids, good_samples(), shard_args, bar, t0,
+                                      errors)
+            shards, nbytes = wstats.get("shards", 0), wstats.get("bytes", 0)
+            peak_local = wstats.get("peak_local_bytes", 0)
+            max_model_len = wstats.get("max_model_len")
+            if cfg.strict and wstats.get("rejected"):
+                raise VxError(f"{len(wstats['rejected'])} samples rejected (--strict): {wstats['rejected'][:3]}")
+    except BaseException:
+        if uploader is not None:  # committed shards still go up; the original error wins
+            try:
+                uploader.finish()
+            except Exception:
+                pass
+        raise
+    finally:
+        errors.close()
+        bar.close()
+    up = uploader.finish() if uploader is not None else {}
+    load_s, warmup_s, extract_s, n, tokens = stats
+    return Summary(str(cfg.output), job.backend, n, tokens, errors.count, len(state.committed_ids),
+                   shards, nbytes, load_s, warmup_s, extract_s, str(out.target) if out.target else None,
+                   up.get("uploaded_bytes", 0), up.get("upload_mb_s", 0.0), peak_local,
+                   max_model_len if job.backend == "vllm" else None)
+
+
+def require_samples(cfg: ExtractConfig, s: Summary) -> None:
+    """A run in which no record could be read is a failure, not an empty success."""
+    if s.samples or s.resumed_samples or Output.of(cfg).committed_elsewhere():
+        return  # something was extracted, now or before (in this output or its partitions)
+    source = cfg.source()
+    if not s.errors:
+        raise UsageError(f"{source} holds no records")
+    first = Output.of(cfg).first_error()
+    where = f"{first.get('file')}:{first.get('row')}" if first.get("file") else f"row {first.get('line')}"
+    looks = source.describe_failure()
+    raise UsageError(f"no sample could be read from {source}: all {s.errors:,} records are bad (first, {where}: "
+                     f"{first.get('reason')})" + (f"; {looks}" if looks else "") + f". See {cfg.output / ERRORS}")
+
+
+def _enter_partition(cfg: ExtractConfig, job: Job, root: Output):
+    """A partition worker: join the root output and find its rows. Returns the config narrowed
+    to the partition's own directory and S3 prefix, that partition's Output, and its rows."""
+    from vx.launch.plan import lines_of, load_or_make_plan, part_name
+
+    root.join(job.meta)
+    name = part_name(cfg.partition_index, cfg.num_partitions)
+    plan = Path(cfg.plan_file) if cfg.plan_file else load_or_make_plan(
+        root.local, job.source, job.model_dir, job.info.fingerprint, cfg.num_partitions, cfg.reading())
+    out = root.partition(name)
+    upload = str(out.target) if out.target is not None else None
+    return (replace(cfg, output=out.local, upload=upload, staged=False), out, lines_of(plan, cfg.partition_index),
+            plan)
+
+
+def engine_max_model_len(cfg: ExtractConfig, job: Job, plan: Path | None) -> int | None:
+    """The engine's max_model_len: the longest sample this run submits, + 1 (the engine samples
+    one token), from the plan's token counts (a one-partition plan is made for a single run),
+    never more than the model's own. vLLM's default is the model's (262,144 for Qwen3.6), and the
+    engine refuses to start where one such request, with capture's per-token cost, does not fit."""
+    from vx.launch.plan import load_or_make_plan, longest_sample
+
+    if plan is None:
+        plan = load_or_make_plan(cfg.output, job.source, job.model_dir, job.info.fingerprint, 1, cfg.reading())
+    longest = longest_sample(plan, cfg.partition_index)
+    if not longest:
+        return None
+    want = max(longest, 2) + 1  # a 1-token sample is sent as 2 tokens (vllm_backend.prompt_ids)
+    limit = job.info.max_position_embeddings
+    return min(want, limit) if limit else want
+
+
+def _run_hf(cfg, model_dir, layer_ids, tokenizer, samples, writer, bar, t0):
+    from vx.engine.hf_extractor import HFExtractor, length_sorted_batches, load_hf_model
+
+    model = load_hf_model(model_dir, cfg.dtype, cfg.device)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    extractor = HFExtractor(model, layer_ids, pad_id=pad)
+    load_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    n = tokens = 0
+    for batch in length_sorted_batches(samples, cfg.batch_size, cfg.max_batch_tokens, cfg.sort_window):
+        for s, h in zip(batch, extractor.extract(batch)):
+            writer.add(s.id, s.input_ids, s.loss_mask, h, line=s.line)
+        faults.point("after-batch")
+        n += len(batch)
+        tokens += sum(len(s) for s in batch)
+        bar.advance(len(batch), sum(len(s) for s in batch), writer.added_bytes)
+    writer.close()
+    rejected = {sid for sid, _ in writer.rejected}
+    return load_s, 0.0, time.perf_counter() - t1, n - len(rejected), tokens

@@ -1,0 +1,75 @@
+"""Multi-node on Ray: `vx extract ... --ray` runs every partition as a Ray task (vx/launch/ray_tasks.py).
+
+vx brings no coordinator of its own. The driver prepares the output once, computes the partition
+plan once (shipped to the tasks through Ray's object store) and submits one task per partition,
+each asking for one engine's GPUs (`--tensor-parallel-size`). Ray reschedules a failed task, also
+when its node is lost (`--max-retries`); the new attempt resumes from the partition's manifest:
+with -o s3://... the S3 one, so any node can pick it up.
+
+Every node needs vx installed and the dataset at the same path (a shared filesystem).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from dataclasses import replace
+
+from vx.errors import VxError
+from vx.jobs.config import ExtractConfig
+from vx.jobs.data_parallel import WORKER, combine, make_plan, partition_config
+from vx.launch.ray_tasks import (
+    cluster_engines,
+    connect,
+    cpus_per_node,
+    plan_payload,
+    require_ray,
+    run_tasks,
+)
+from vx.launch.workers import Tally
+from vx.progress import RunProgress
+
+
+def run_ray(cfg: ExtractConfig, progress: bool | None = None):
+    """Every partition as a Ray task; returns the combined Summary (with the node of each)."""
+    with contextlib.redirect_stdout(sys.stderr):  # Ray's notices (task retried, ...) are logs, not results
+        return _run_ray(cfg, progress)
+
+
+def _run_ray(cfg: ExtractConfig, progress: bool | None):
+    require_ray()
+    from vx.jobs.extract import check_dataset, prepare_job, prepare_root
+
+    t0 = time.perf_counter()
+    job = prepare_job(cfg)
+    if cfg.strict:
+        check_dataset(cfg, job)
+    connect(cfg.ray_address)
+    tp = cfg.tensor_parallel_size
+    gpus, engines = cluster_engines(tp)
+    if cfg.num_partitions == 1:  # default: one partition per engine the cluster can hold
+        cfg = replace(cfg, num_partitions=engines)
+    prepare_root(cfg, job)
+    t_plan = time.perf_counter()
+    plan_file, balance = make_plan(cfg, job)
+    balance["plan_s"] = round(time.perf_counter() - t_plan, 2)
+    cpu_share = None
+    if not gpus:  # CPU cluster: engines on a node share its memory
+        cpu_share = 0.3 / cpus_per_node()
+    configs = [partition_config(cfg, i, None, cpu_share=cpu_share, portable=True) for i in range(cfg.num_partitions)]
+    bar = RunProgress(sum(balance["lines"]), enabled=progress)
+    t_start = time.perf_counter()
+    try:
+        results, failed, attempts = run_tasks(configs, plan_payload(plan_file), tp if gpus else 0,
+                                              cfg.max_retries, Tally(bar), WORKER)
+    finally:
+        bar.close()
+    if failed:
+        lines = "; ".join(f"partition {i}: {v}" for i, v in sorted(failed.items()))
+        raise VxError(f"{len(failed)} of {cfg.num_partitions} partitions failed after {cfg.max_retries} retries: "
+                      f"{lines}. Committed shards are kept; rerun the same command to finish them")
+    s = combine(cfg, job.backend, results, time.perf_counter() - t0, time.perf_counter() - t_start, balance)
+    for p in s.partitions:
+        p.update(node=results[p["partition"]].get("node"), attempts=attempts.get(p["partition"], 1))
+    return s

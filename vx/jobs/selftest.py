@@ -1,0 +1,284 @@
+"""`vx selftest`: proof, on this machine, that this install captures the right states, fast.
+
+1. The vLLM contract check (vx/engine/contract.py) and the tensor-parallel page check.
+2. A small random model of the target's architecture: the target's own config with a few layers
+   (every layer type kept) and its real hidden size and vocabulary, random bf16 weights, built
+   once into the vx cache; the embedded tiny model without --model.
+3. A synthetic length mix that exercises what breaks batched capture: 1-token samples, samples
+   longer than a step (chunked prefill), samples sharing a long prefix, identical samples.
+4. vx's real path (vLLM engine, capture connector, ShardWriter; compiled with CUDA graphs on a
+   GPU) over every layer of the model, then every sample against the HF reference on the same
+   device (fp32 when it fits): per layer the worst cosine and max |diff|.
+5. Bare vLLM prefill of the same data on the same engine settings: tokens/s, vx's ratio, MFU
+   where the device's peak is known.
+One table on stdout; exit 0, or 1 naming the first sample and layer outside the bound.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vx.data.samples import Sample
+from vx.errors import VxError
+
+CPU_STEP_TOKENS = 512  # on CPU a small step, so that short samples are chunked too
+# dense bf16 peak FLOP/s by device name (datasheets); MFU is shown only for these
+PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "B200": 2250e12, "GB200": 2500e12,
+             "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L4": 121e12}
+
+
+@dataclass
+class SelftestConfig:
+    model: str | None = None
+    tensor_parallel_size: int = 1
+    samples: int | None = None         # None: 40 on CPU, 128 on a GPU
+    bench: bool = True                 # also time bare vLLM prefill on the same data
+    max_num_batched_tokens: int | None = None
+    enforce_eager: bool | None = None  # None: vx's default (compiled + CUDA graphs on a GPU)
+    output: Path | None = None         # keep shards and logs here (default: a temp dir, removed)
+    seed: int = 0
+
+    def __post_init__(self):
+        from vx.errors import UsageError
+
+        if self.tensor_parallel_size < 1:
+            raise UsageError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+        if self.samples is not None and self.samples < 12:
+            raise UsageError(f"--samples must be >= 12 (the mix needs its special cases), got {self.samples}")
+
+
+@dataclass
+class SelftestReport:
+    lines: list[tuple[str, str]] = field(default_factory=list)  # (label, text) rows of the table
+    layers: list[dict] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    result: dict = field(default_factory=dict)
+
+    def row(self, label: str, text: str) -> None:
+        self.lines.append((label, text))
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+
+def length_mix(n: int, step: int, vocab: int, seed: int = 0) -> list[Sample]:
+    """n samples: two of 1 token, one of 2, two longer than a step (chunked over 2 and 3 steps),
+    four sharing a prefix of a quarter step, two identical, the rest log-uniform up to half a step."""
+    rng = random.Random(seed)
+
+    def ids(k):
+        return [rng.randrange(vocab) for _ in range(k)]
+
+    seqs = [ids(1), ids(1), ids(2), ids(step + 37), ids(2 * step + 5)]
+    prefix = ids(max(8, step // 4))
+    seqs += [prefix + ids(rng.randint(1, 64)) for _ in range(4)]
+    twin = ids(rng.randint(8, max(9, step // 2)))
+    seqs += [twin, list(twin)]
+    while len(seqs) < n:
+        seqs.append(ids(int(round(4 * (max(5, step // 2) / 4) ** rng.random()))))
+    kinds = ["1-token", "1-token", "2-token", "chunked", "chunked"] + ["shared-prefix"] * 4 + ["identical"] * 2
+    return [Sample(f"{kinds[i] if i < len(kinds) else 'mix'}-{i:03d}", i + 1, s, [1] * len(s))
+            for i, s in enumerate(seqs)]
+
+
+def run_selftest(cfg: SelftestConfig) -> SelftestReport:
+    import importlib.util
+
+    from vx.device import cuda_available
+    from vx.errors import UsageError
+
+    if importlib.util.find_spec("vllm") is None:
+        raise UsageError("vx selftest checks vx's vLLM path and needs vLLM: pip install 'vx[gpu]' (GPU) or "
+                         "'vx[cpu]' (CPU)")
+    report = SelftestReport()
+    on_gpu = cuda_available()  # NVML: nothing initialises CUDA before the engines have started
+    work = Path(cfg.output) if cfg.output else Path(tempfile.mkdtemp(prefix="vx-selftest-"))
+    try:
+        _run(cfg, report, on_gpu, work)
+    finally:
+        if cfg.output is None:
+            shutil.rmtree(work, ignore_errors=True)
+    return report
+
+
+def _run(cfg: SelftestConfig, report: SelftestReport, on_gpu: bool, work: Path) -> None:
+    import vllm
+
+    from vx.data.model import model_info, resolve_model
+    from vx.data.tiny import small_random_twin
+    from vx.engine.defaults import MAX_NUM_BATCHED_TOKENS
+
+    t0 = time.perf_counter()
+    model_dir = resolve_model(cfg.model) if cfg.model is None else small_random_twin(resolve_model(cfg.model))
+    info = model_info(model_dir)
+    layers = list(range(info.num_layers))
+    step = cfg.max_num_batched_tokens or (MAX_NUM_BATCHED_TOKENS if on_gpu else CPU_STEP_TOKENS)
+    if info.max_position_embeddings:  # the chunked samples (2 steps + 5 tokens) must fit the model
+        step = max(16, min(step, (info.max_position_embeddings - 8) // 2))
+    samples = length_mix(cfg.samples or (128 if on_gpu else 40), step, info.vocab_size, cfg.seed)
+    tokens = sum(len(s) for s in samples)
+    from vx.engine.defaults import check_tensor_parallel_pages
+
+    pages = check_tensor_parallel_pages(model_dir, cfg.tensor_parallel_size, info.num_layers)  # one line if exposed
+    report.row("vLLM", f"{vllm.__version__}; vx's contract is checked as the engine starts (method, connector API, "
+                       "hidden-state cache, aux-output interface)" + (
+                           f"; TP {pages['tensor_parallel_size']} page {pages['page_bytes']:,} B vs "
+                           f"{pages['state_bytes_per_token']:,} B of states per token"
+                           + (" (vLLM scales the pages)" if pages["exposed"] else "") if pages else ""))
+    report.row("model", f"{info.model_type}{' (VL layout, text-only)' if info.vision_language else ''}, {info.num_layers} layers of hidden {info.hidden_size}, vocab "
+                        f"{info.vocab_size:,}, random bf16 weights" + (f" (the config of {cfg.model})" if cfg.model
+                                                                       else " (the embedded default)")
+               + f", built in {time.perf_counter() - t0:.1f}s")
+    report.row("data", f"{len(samples)} samples, {tokens:,} tokens: 2 of 1 token, 2 over the {step:,}-token step "
+                       "(chunked), 4 with a shared prefix, 2 identical")
+    common = dict(max_model_len=max(len(s) for s in samples) + 2, max_num_batched_tokens=step,
+                  tensor_parallel_size=cfg.tensor_parallel_size, enforce_eager=cfg.enforce_eager,
+                  vision_language=info.vision_language)
+    out = work / "out"
+    vx_s, engine = _run_vx(model_dir, layers, samples, info, out, common)
+    report.row("engine", engine)
+    bare_s = _run_bare(model_dir, samples, work, common) if cfg.bench else None
+    _compare(report, out, samples, model_dir, info)
+    flops = 2 * _layer_params(model_dir, info) * tokens
+    peak = _peak_flops() if on_gpu else None
+    speed = f"vx {tokens / vx_s:,.0f} tokens/s" + (f" (MFU {flops / vx_s / peak:.1%})" if peak else "")
+    if bare_s:
+        speed = f"bare vLLM prefill {tokens / bare_s:,.0f} tokens/s" + \
+            (f" (MFU {flops / bare_s / peak:.1%})" if peak else "") + f"; {speed}; vx/bare {bare_s / vx_s:.3f}x"
+    report.row("throughput", speed + ("" if peak else "; MFU: no known peak for this device"))
+    report.result.update(vx_tokens_per_s=tokens / vx_s, bare_tokens_per_s=tokens / bare_s if bare_s else None,
+                         ratio=bare_s / vx_s if bare_s else None, tokens=tokens, samples=len(samples),
+                         total_s=time.perf_counter() - t0)
+
+
+def _run_vx(model_dir, layers, samples, info, out: Path, common: dict) -> tuple[float, str]:
+    from vx.engine.vllm_extractor import VllmExtractor
+
+    out.mkdir(parents=True, exist_ok=True)
+    ex = VllmExtractor(model_dir, layers, log_file=out / "logs" / "vllm.log", **common)
+    try:
+        config = ex.engine.vllm_config
+        runner = "Model Runner V2" if getattr(config, "use_v2_model_runner", False) else "V1 runner"
+        graphs = "eager" if ex.enforce_eager else "compiled, CUDA graphs" if config.device_config.device_type == "cuda" \
+            else "compiled"
+        rejected: list = []
+        meta = {"model": str(model_dir), "layer_ids": json.dumps(layers), "store_dtype": "bf16",
+                "model_type": info.model_type, "format": "vx-1"}
+        (out / "vx.json").write_text(json.dumps(dict(meta, layer_ids=layers, hidden_size=info.hidden_size,
+                                                     num_layers=info.num_layers)))
+        t = time.perf_counter()
+        stats = ex.run(samples, out, meta, 1 << 30, 0, info.hidden_size, "bf16",
+                       on_reject=lambda s, why: rejected.append((s.id, why)))
+        wall = time.perf_counter() - t
+    finally:
+        ex.close()
+    if rejected:
+        raise VxError(f"selftest: vx rejected {len(rejected)} samples, first {rejected[0][0]!r}: {rejected[0][1]}")
+    return wall, (f"{runner}, {graphs}, step {ex.max_num_batched_tokens:,} tokens, max_model_len "
+                  f"{ex.max_model_len:,}, warm-up {ex.warmup_s:.1f}s; capture chunk {stats.get('chunk_rows'):,} "
+                  f"rows, pinned ring {stats.get('ring_bytes', 0) / 2**20:,.0f} MiB")
+
+
+def _run_bare(model_dir, samples, work: Path, common: dict) -> float:
+    """Bare vLLM prefill (no capture) of the same samples with the same engine settings."""
+    from vx.device import engine_env
+    from vx.engine.logs import engine_output
+    from vx.engine.reaper import Reaper
+    from vx.engine.vllm_engine import (
+        engine_kwargs,
+        prompt_ids,
+        stop_engine_core,
+        tokens_input,
+        warm_up,
+    )
+
+    on_cpu = engine_env(common["tensor_parallel_size"])
+    kwargs = engine_kwargs(model_dir, [0], on_cpu=on_cpu, **common)
+    for k in ("speculative_config", "kv_transfer_config", "worker_extension_cls"):
+        kwargs.pop(k)
+    reaper = Reaper.start()
+    try:
+        with engine_output(work / "logs" / "vllm-bare.log"):
+            from vllm import LLM, SamplingParams
+
+            llm = LLM(**kwargs)
+        engine = llm.llm_engine
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        try:
+            warm_up(engine, common["max_num_batched_tokens"], common["max_model_len"], params)
+            t = time.perf_counter()
+            for i, s in enumerate(samples):
+                engine.add_request(f"bare-{i}", tokens_input(prompt_ids(s)), params)
+            while engine.has_unfinished_requests():
+                engine.step()
+            return time.perf_counter() - t
+        finally:
+            stop_engine_core(engine)
+    finally:
+        reaper.stop()
+
+
+def _compare(report: SelftestReport, out: Path, samples, model_dir, info) -> None:
+    """Every sample against the HF reference on this device; per layer the worst."""
+    from vx.engine.reference import Reference
+    from vx.store.reader import open_dataset
+
+    ds = open_dataset(out)
+    stored = set(ds.ids)
+    missing = sorted({s.id for s in samples} - stored)
+    if missing:
+        report.failures.append(f"{len(missing)} samples missing from the output, first {missing[0]!r}")
+    ref = Reference(model_dir, ds.layer_ids, info.model_type)
+    limit = ref.bound
+    worst = {k: {"layer": k, "min_cosine": 1.0, "max_rel_diff": 0.0, "worst_sample": None} for k in ds.layer_ids}
+    for s in samples:
+        if s.id not in stored:
+            continue
+        item = ds[s.id]
+        if item["input_ids"].tolist() != s.input_ids:
+            report.failures.append(f"sample {s.id!r}: stored token ids differ from the submitted ones")
+            continue
+        for r in ref.check(s.id, s.input_ids, item["hidden_states"]):
+            w = worst[r["layer"]]
+            if r["cosine"] < w["min_cosine"]:
+                w.update(min_cosine=r["cosine"], worst_sample=s.id)
+            w["max_rel_diff"] = max(w["max_rel_diff"], r["rel_diff"])
+            if not r["ok"]:
+                report.failures.append(f"sample {s.id!r} layer {r['layer']}: cosine {r['cosine']:.6f}, max |diff| "
+                                       f"{r['rel_diff']:.3g} x max |ref| (bound: cosine >= {limit.min_cosine}, "
+                                       f"max |diff| <= {limit.max_rel_diff} x max |ref|)")
+    ref.close()
+    report.layers = list(worst.values())
+    report.row("reference", f"HF {ref.why}")
+    report.row("bound", f"per sample and layer: cosine >= {limit.min_cosine}, max |diff| <= {limit.max_rel_diff} "
+                        "x max |ref|")
+
+
+def _layer_params(model_dir, info) -> int:
+    """Parameters of the decoder layers (the useful FLOPs: 2 x these per token, attention aside)."""
+    from safetensors import safe_open
+
+    total = 0
+    for f in Path(model_dir).glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            for name in st.keys():
+                if ".layers." in name and "visual" not in name:
+                    n = 1
+                    for d in st.get_slice(name).get_shape():
+                        n *= int(d)
+                    total += n
+    return total
+
+
+def _peak_flops() -> float | None:
+    import torch
+
+    name = torch.cuda.get_device_name(0)
+    return next((v for k, v in sorted(PEAK_BF16.items(), key=lambda kv: -len(kv[0])) if k in name), None)

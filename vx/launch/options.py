@@ -1,0 +1,49 @@
+"""The scale-out options that `vx extract` and `vx regenerate` share, checked in one place."""
+
+from __future__ import annotations
+
+from vx.errors import UsageError
+
+
+def check_scale_out(cfg) -> None:
+    """--data-parallel-size/--gpus/--num-partitions/--partition-index/--ray/--max-retries of a config
+    (extract and regenerate): consistent, or one line saying why; --gpus sets data_parallel_size."""
+    for name in ("data_parallel_size", "num_partitions"):
+        if getattr(cfg, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.max_retries < 0:
+        raise UsageError(f"--max-retries must be >= 0, got {cfg.max_retries}")
+    if cfg.gpus is not None:
+        if not cfg.gpus or len(set(cfg.gpus)) != len(cfg.gpus) or min(cfg.gpus) < 0:
+            raise UsageError(f"--gpus must list distinct GPU ids, got {cfg.gpus}")
+        if len(cfg.gpus) % cfg.tensor_parallel_size:
+            raise UsageError(f"--gpus lists {len(cfg.gpus)} GPUs, not a multiple of --tensor-parallel-size "
+                             f"{cfg.tensor_parallel_size}")
+        n = len(cfg.gpus) // cfg.tensor_parallel_size
+        if cfg.data_parallel_size not in (1, n):
+            raise UsageError(f"--gpus gives {n} engines of {cfg.tensor_parallel_size} GPUs, but "
+                             f"--data-parallel-size is {cfg.data_parallel_size}")
+        cfg.data_parallel_size = n
+    if cfg.partition_index is not None:
+        if not 0 <= cfg.partition_index < cfg.num_partitions:
+            raise UsageError(f"--partition-index must be in [0, {cfg.num_partitions}) for --num-partitions "
+                             f"{cfg.num_partitions}, got {cfg.partition_index}")
+        if cfg.data_parallel_size > 1 or cfg.ray:
+            raise UsageError("--partition-index runs one partition in this process; it does not combine "
+                             "with --data-parallel-size, --gpus or --ray")
+        if getattr(cfg, "overwrite", False):
+            raise UsageError("--overwrite with --partition-index would delete the other partitions' work; "
+                             "delete the output once before submitting the partitions, or use a new -o")
+    elif cfg.ray:
+        if cfg.data_parallel_size > 1:
+            raise UsageError("--ray schedules partitions on the cluster's GPUs: give --num-partitions, not "
+                             "--data-parallel-size/--gpus")
+    elif cfg.data_parallel_size > 1:
+        if cfg.num_partitions == 1:
+            cfg.num_partitions = cfg.data_parallel_size
+        elif cfg.num_partitions < cfg.data_parallel_size:
+            raise UsageError(f"--num-partitions {cfg.num_partitions} < --data-parallel-size "
+                             f"{cfg.data_parallel_size} would leave engines idle")
+    elif cfg.num_partitions > 1:
+        raise UsageError("--num-partitions needs --partition-index (one partition, e.g. a SLURM array "
+                         "task), --data-parallel-size N or --ray (all of them)")

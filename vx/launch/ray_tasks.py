@@ -1,0 +1,145 @@
+"""Partition workers as Ray tasks on an existing cluster (`--ray`, extract and regenerate).
+
+A task runs the same partition worker as a local data-parallel run (`python -m MODULE CONFIG`)
+as a subprocess on its node, so vLLM runs in a plain process with the GPUs Ray gave the task
+(CUDA_VISIBLE_DEVICES), and raises if that worker fails; its progress reaches the driver through
+a small actor. Ray retries a failed task (`--max-retries`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from vx.errors import UsageError
+from vx.launch.workers import Tally, last_line, reap_worker, spawn_worker
+
+FORWARD_ENV = ("VX_", "AWS_", "HF_")  # the driver's settings that workers on other nodes need
+
+
+class ProgressSink:
+    """A Ray actor the partition tasks report progress to; the driver polls it."""
+
+    def __init__(self):
+        self.seen: dict[str, tuple[int, dict]] = {}
+
+    def report(self, key: str, index: int, rec: dict) -> None:
+        self.seen[key] = (index, rec)
+
+    def snapshot(self) -> dict[str, tuple[int, dict]]:
+        return self.seen
+
+
+def plan_payload(plan_file) -> dict:
+    """The partition plan and its rows' token counts, as bytes for Ray's object store."""
+    from vx.launch.plan import tokens_file
+
+    tokens = tokens_file(plan_file)
+    return {"plan": Path(plan_file).read_bytes(), "tokens": tokens.read_bytes() if tokens.exists() else None}
+
+
+def partition_task(config: dict, plan: dict, env: dict, sink, module: str) -> dict:
+    """One attempt at one partition, on whatever node Ray chose (`python -m MODULE CONFIG`)."""
+    import ray
+
+    index, attempt = config["partition_index"], uuid.uuid4().hex[:8]
+    got: dict = {}
+
+    def relay(rec: dict) -> None:
+        sink.report.remote(f"{index}-{attempt}", index, rec)
+        if rec["vx"] == "summary":
+            got["summary"] = rec["summary"]
+
+    with tempfile.TemporaryDirectory(prefix="vx-ray-") as tmp:
+        from vx.launch.plan import tokens_file
+
+        plan_file = Path(tmp) / "plan.npy"
+        plan_file.write_bytes(plan["plan"])
+        if plan["tokens"] is not None:
+            tokens_file(plan_file).write_bytes(plan["tokens"])
+        log = Path(tmp) / "worker.log"
+        proc, reader = spawn_worker(dict(config, plan_file=str(plan_file)), env, log, relay, module)
+        proc.wait()
+        reap_worker(proc, reader)
+        if proc.returncode != 0 or "summary" not in got:
+            raise RuntimeError(f"partition {index} worker exited {proc.returncode} on "
+                               f"{ray.util.get_node_ip_address()}: {last_line(log)}")
+    return dict(got["summary"], node=ray.util.get_node_ip_address(), attempt=attempt)
+
+
+def require_ray() -> None:
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise UsageError("--ray needs Ray on every node: pip install 'vx[ray]'") from None
+
+
+def connect(address: str | None) -> None:
+    import ray
+
+    address = address or os.environ.get("RAY_ADDRESS") or "auto"
+    hint = ("Start one with `ray start --head` (and `ray start --address HEAD:6379` on the other nodes), "
+            "or give --ray-address")
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if host and port.isdigit():  # Ray retries an unreachable address for minutes; probe it first
+        try:
+            socket.create_connection((host, int(port)), timeout=5).close()
+        except OSError as e:
+            raise UsageError(f"no Ray cluster at {address!r} ({e.strerror or e}). {hint}") from None
+    try:
+        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False, ignore_reinit_error=True)
+    except (ConnectionError, RuntimeError) as e:
+        raise UsageError(f"no Ray cluster at {address!r} ({str(e).splitlines()[0][:160]}). {hint}") from None
+
+
+def cluster_engines(tp: int) -> tuple[int, int]:
+    """(GPUs of the cluster, engines of tp GPUs it holds; on a CPU cluster one per CPU)."""
+    import ray
+
+    resources = ray.cluster_resources()
+    gpus = int(resources.get("GPU", 0))
+    return gpus, max(1, gpus // tp if gpus else int(resources.get("CPU", 1)))
+
+
+def cpus_per_node() -> int:
+    import ray
+
+    return max(int(n["Resources"].get("CPU", 1)) for n in ray.nodes() if n.get("Alive"))
+
+
+def run_tasks(configs: list[dict], plan: dict, num_gpus: int, max_retries: int, tally: Tally,
+              module: str) -> tuple[dict[int, dict], dict[int, str], dict[int, int]]:
+    """Each partition's worker config as a Ray task (retried up to max_retries times), progress
+    folded into tally. Returns (summary of each finished partition, with its node and finish
+    time; reason of each that failed; attempts of each)."""
+    import ray
+
+    plan_ref = ray.put(plan)
+    sink = ray.remote(num_cpus=0)(ProgressSink).remote()
+    task = ray.remote(partition_task).options(num_gpus=num_gpus, num_cpus=1, max_retries=max_retries,
+                                              retry_exceptions=True)
+    env = {k: v for k, v in os.environ.items() if k.startswith(FORWARD_ENV)}
+    refs = {task.remote(c, plan_ref, env, sink, module): c["partition_index"] for c in configs}
+    results, failed = {}, {}
+    t_start = time.perf_counter()
+    while refs:
+        ready, _ = ray.wait(list(refs), num_returns=1, timeout=0.5)
+        for key, (index, rec) in ray.get(sink.snapshot.remote()).items():
+            tally.update(key, rec)
+        for ref in ready:
+            index = refs.pop(ref)
+            try:
+                results[index] = dict(ray.get(ref), finished_s=round(time.perf_counter() - t_start, 2))
+            except Exception as e:  # retries exhausted
+                failed[index] = str(e).strip().splitlines()[-1][:300]
+    attempts: dict[int, int] = {}
+    for key, (index, _) in ray.get(sink.snapshot.remote()).items():
+        attempts[index] = attempts.get(index, 0) + 1
+    return results, failed, attempts
+
+

@@ -1,0 +1,1 @@
+"""`vx regenerate`: the target writes the assistant turns (config, engine loop, output, partitions)."""

@@ -1,0 +1,141 @@
+"""The engine side of `vx regenerate`: one vLLM engine, every conversation in flight.
+
+Conversations are read ahead up to 4x the engine's max_num_seqs; each turn goes in as token ids
+rendered by vx's chat template; when turn k of a conversation finishes, turn k+1 is submitted
+on the regenerated history (prefix caching on, so it shares the KV of everything before it);
+a finished conversation is handed to the output. The engine dies with the driver (vx/engine/reaper.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import zlib
+from pathlib import Path
+
+from vx import faults
+from vx.data.chat import tools_of
+from vx.regenerate.config import Conversation
+from vx.regenerate.output import sidecar
+
+
+def split_reasoning(text: str, separate: bool) -> dict:
+    """The generated text as message fields: thinking in reasoning_content when the template
+    renders that field, else kept inline as the model wrote it."""
+    if separate and "</think>" in text:
+        thinking, _, answer = text.partition("</think>")
+        return {"reasoning_content": thinking.replace("<think>", "", 1).strip("\n"), "content": answer.lstrip("\n")}
+    return {"content": text}
+
+
+def start_engine(cfg, model_dir: Path, log: Path):
+    """A plain vLLM engine (no capture), prefix caching on; its log in `log`."""
+    from vx.device import engine_env
+    from vx.engine.logs import engine_output
+
+    with engine_output(log, cfg.verbose):
+        on_cpu = engine_env(cfg.tensor_parallel_size)
+        from vllm import LLM
+
+        kw = dict(model=str(model_dir), tokenizer=str(model_dir), enable_prefix_caching=True, seed=cfg.seed or 0,
+                  tensor_parallel_size=cfg.tensor_parallel_size)
+        if on_cpu:
+            kw.update(dtype="bfloat16", enforce_eager=True, gpu_memory_utilization=cfg.gpu_memory_utilization or 0.3)
+        elif cfg.gpu_memory_utilization:
+            kw["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        for k in ("max_num_seqs", "max_model_len"):
+            if getattr(cfg, k):
+                kw[k] = getattr(cfg, k)
+        return LLM(**kw)
+
+
+def generate(cfg, model_dir, tokenizer, chat, separate, first, convs, out, bar, stats) -> dict:
+    """Every conversation in flight in one engine; returns generate_s (first request to last commit)."""
+    from vx.engine.reaper import Reaper
+    from vx.engine.vllm_engine import stop_engine_core, tokens_input
+
+    reaper = Reaper.start()  # the engine dies with this process, SIGKILL included
+    try:
+        llm = start_engine(cfg, model_dir, sidecar(out.path, ".vllm.log"))
+    except BaseException:
+        reaper.stop()
+        raise
+    from vllm import (
+        SamplingParams,  # after the engine start: vLLM's import notices go to its log
+    )
+
+    engine = llm.llm_engine
+    window = 4 * engine.vllm_config.scheduler_config.max_num_seqs  # conversations read ahead
+    active: dict[str, Conversation] = {}
+
+    def params(conv: Conversation):
+        seed = None if cfg.seed is None else (cfg.seed + zlib.crc32(f"{conv.id}/{conv.todo[0]}".encode())) % (1 << 31)
+        return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                              max_tokens=cfg.max_tokens, seed=seed)
+
+    def submit(conv: Conversation) -> None:
+        k = conv.todo[0]
+        text = chat.render(conv.messages[:k], tools_of(conv.record), gen=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        conv.turns.append({"index": k, "prompt_tokens": len(ids)})
+        engine.add_request(f"{conv.id}\x00{k}", tokens_input(ids), params(conv))
+
+    def finish(conv: Conversation) -> None:
+        stats["conversations"] += 1
+        if conv.truncated:
+            stats["truncated"] += 1
+        if conv.truncated and cfg.drop_truncated:
+            stats["dropped"] += 1
+            bar.skip(1)
+            return
+        rec = {k: v for k, v in conv.record.items() if k not in ("conversations", cfg.messages_field)}
+        rec.update(id=conv.id, messages=conv.messages, vx_turns=conv.turns)
+        out.add(rec, cfg.commit_every)
+        bar.advance(1, 0, 0)
+
+    def refill(conv) -> bool:
+        """Read conversations until `window` are in flight; False when the input is done."""
+        while len(active) < window:
+            conv = conv or next(convs, None)
+            if conv is None:
+                return False
+            active[conv.id] = conv
+            submit(conv)
+            conv = None
+        return True
+
+    t_gen = time.perf_counter()
+    out.commit()  # starts the chunk clock now, not before the engine's start
+    try:
+        more = refill(first)
+        while active or more:
+            for o in engine.step():
+                if not o.finished:
+                    continue
+                sid, _, k = o.request_id.partition("\x00")
+                conv = active[sid]
+                gen = o.outputs[0]
+                conv.messages[int(k)] = {"role": "assistant", **split_reasoning(gen.text, separate)}
+                turn = conv.turns[-1]
+                turn.update(finish_reason=gen.finish_reason, completion_tokens=len(gen.token_ids))
+                if gen.finish_reason == "length":
+                    turn["truncated"], conv.truncated = True, True
+                stats["turns"] += 1
+                stats["generated_tokens"] += len(gen.token_ids)
+                bar.advance(0, len(gen.token_ids), 0)
+                conv.todo.pop(0)
+                if conv.todo:
+                    submit(conv)  # the next turn, on the regenerated history
+                else:
+                    del active[sid]
+                    finish(conv)
+            faults.point("after-step")
+            if more:
+                more = refill(None)
+        out.commit()
+        t_done = time.perf_counter()  # every conversation written and fsynced; the engine's stop is not generation
+    finally:
+        with contextlib.suppress(Exception):
+            stop_engine_core(engine)
+        reaper.stop()
+    return {"generate_s": round(t_done - t_gen, 3)}

@@ -1,0 +1,154 @@
+"""The output of `vx regenerate`: one append-only JSONL file, committed in fsynced chunks.
+
+A single run writes OUTPUT (and OUTPUT.errors.jsonl, OUTPUT.vllm.log beside it). A partitioned
+run (--data-parallel-size, --ray, --num-partitions/--partition-index) writes each partition to
+OUTPUT.parts/part-i-of-P.jsonl with its own sidecars; when every partition is done the launcher
+(or the same command run again without --partition-index) merges them into OUTPUT: each
+conversation once, whatever crashed where, and removes the merged parts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from vx import faults
+from vx.errors import UsageError
+from vx.store.writer import try_lock
+
+
+def parts_dir(output: Path) -> Path:
+    return output.with_name(output.name + ".parts")
+
+
+def part_path(output: Path, index: int, count: int) -> Path:
+    from vx.launch.plan import part_name
+
+    return parts_dir(output) / f"{part_name(index, count)}.jsonl"
+
+
+def sidecar(path: Path, suffix: str) -> Path:
+    """OUTPUT.errors.jsonl, OUTPUT.vllm.log, OUTPUT.lock."""
+    return path.with_name(path.name + suffix)
+
+
+def committed_ids(path: Path) -> set[str]:
+    """Ids of the whole lines of a regenerate output (a torn last line is not committed)."""
+    if not path.exists():
+        return set()
+    with open(path, "rb") as f:
+        return {str(json.loads(line)["id"]) for line in f if line.endswith(b"\n") and line.strip()}
+
+
+class RegenOutput:
+    """One output file (OUTPUT or a partition's part) and its errors file; the ids already
+    written there (and, for a part, in the merged OUTPUT)."""
+
+    def __init__(self, path: Path, merged: Path | None = None):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock, holder = try_lock(sidecar(path, ".lock"))
+        if holder:
+            raise UsageError(f"{path} is being written by another vx regenerate ({holder})")
+        self.done = self._recover() | (committed_ids(merged) if merged is not None else set())
+        self._f = open(path, "ab")
+        self.errors = open(sidecar(path, ".errors.jsonl"), "w")
+        self._pending: list[bytes] = []
+        self._last = time.monotonic()
+        self.written = 0
+
+    def _recover(self) -> set[str]:
+        """Drop a torn last line (a crash mid-append), return the ids already committed."""
+        if not self.path.exists():
+            return set()
+        truncate_torn(self.path)
+        return committed_ids(self.path)
+
+    def add(self, record: dict, every: int) -> None:
+        self._pending.append(json.dumps(record, ensure_ascii=False).encode() + b"\n")
+        if len(self._pending) >= every or time.monotonic() - self._last > 2.0:
+            self.commit()
+
+    def commit(self) -> None:
+        if self._pending:
+            self._f.write(b"".join(self._pending))
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self.written += len(self._pending)
+            self._pending.clear()
+            faults.point("after-chunk")
+        self._last = time.monotonic()
+
+    def close(self) -> None:
+        self.commit()
+        self._f.close()
+        self.errors.close()
+        self._lock.close()
+
+
+def truncate_torn(path: Path) -> None:
+    """Cut a file back to its last newline (what a crash mid-append leaves), durably."""
+    size = path.stat().st_size
+    if not size:
+        return
+    with open(path, "r+b") as f:
+        keep = size
+        while keep > 0:  # scan back from the end in blocks for the last newline
+            start = max(0, keep - (1 << 16))
+            f.seek(start)
+            block = f.read(keep - start)
+            nl = block.rfind(b"\n")
+            if nl >= 0:
+                keep = start + nl + 1
+                break
+            keep = start
+        if keep < size:
+            f.truncate(keep)
+            os.fsync(f.fileno())
+
+
+def merge_parts(output: Path, count: int) -> dict:
+    """Append every part's conversations that OUTPUT lacks to OUTPUT (fsynced), gather the parts'
+    errors into OUTPUT.errors.jsonl, then remove the parts. Idempotent: a crash anywhere leaves
+    OUTPUT with each id at most once and the parts in place for the next merge."""
+    lock, holder = try_lock(sidecar(output, ".lock"))
+    if holder:
+        raise UsageError(f"{output} is being written by another vx regenerate ({holder})")
+    try:
+        if output.exists():
+            truncate_torn(output)
+        have = committed_ids(output)
+        parts = [part_path(output, i, count) for i in range(count)]
+        if not any(p.exists() or sidecar(p, ".errors.jsonl").exists() for p in parts):
+            return {"merged": 0, "conversations": len(have), "complete": True}  # merged before
+        added, held = 0, []
+        with open(output, "ab") as out, open(sidecar(output, ".errors.jsonl"), "wb") as errors:
+            for part in parts:
+                part_lock, writer = try_lock(sidecar(part, ".lock"))
+                if writer:  # a worker is still writing it (a rerun): its own merge takes it later
+                    continue
+                held.append((part, part_lock))
+                if part.exists():
+                    with open(part, "rb") as f:
+                        for line in f:
+                            if not line.endswith(b"\n") or not line.strip():
+                                continue
+                            sid = str(json.loads(line)["id"])
+                            if sid not in have:
+                                out.write(line)
+                                have.add(sid)
+                                added += 1
+                if sidecar(part, ".errors.jsonl").exists():
+                    errors.write(sidecar(part, ".errors.jsonl").read_bytes())
+            out.flush()
+            os.fsync(out.fileno())
+            faults.point("after-merge")
+        for part, part_lock in held:
+            for p in (part, sidecar(part, ".errors.jsonl"), sidecar(part, ".done")):
+                p.unlink(missing_ok=True)
+            part_lock.close()
+        return {"merged": added, "conversations": len(have), "complete": len(held) == len(parts)}
+    finally:
+        lock.close()

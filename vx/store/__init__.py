@@ -1,0 +1,2 @@
+"""An extraction output: the shard format and its encoding, the shard writer, the output's one
+owner (identity, resume, lock), S3 (preflight, remote state, the uploader), and the reader."""

@@ -1,0 +1,145 @@
+"""Shard files and the manifest: the on-disk format (vx/store/writer.py writes it).
+
+A shard `shard-NNNNN.safetensors` holds N samples packed along the token axis:
+  hidden_states [sum T, L, H]  store dtype (bf16 default)
+  input_ids     [sum T]        int32
+  loss_mask     [sum T]        uint8
+  offsets       [N + 1]        int64   sample i is rows offsets[i]:offsets[i+1]
+Its safetensors metadata (all strings): format="vx-shard-1", sample_ids (JSON list), model,
+layer_ids (JSON list), hidden_size, num_layers, store_dtype, vx_version.
+
+A shard is written under a temp name, fsynced, renamed, and only then recorded by one line in
+`manifest.jsonl` (fsynced): that line is the commit. Readers trust the manifest alone, so a torn
+temp file or an unrecorded shard left by a crash is invisible.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from vx import faults
+
+MANIFEST = "manifest.jsonl"
+ERRORS = "errors.jsonl"
+RUN_META = "vx.json"
+SHARD_FORMAT = "vx-shard-1"
+
+_ST_DTYPE = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int32: "I32",
+             torch.uint8: "U8", torch.int64: "I64", torch.float8_e4m3fn: "F8_E4M3"}
+
+
+def shard_name(index: int, compress: str | None = None) -> str:
+    return f"shard-{index:05d}.safetensors" + (".zst" if compress == "zstd" else "")
+
+
+class _HashingFile:
+    """A file wrapper that hashes and counts what is written (the stored, compressed bytes)."""
+
+    def __init__(self, f):
+        self.f, self.sha, self.n = f, hashlib.sha256(), 0
+
+    def write(self, b) -> int:
+        self.sha.update(b)
+        self.n += len(b)
+        return self.f.write(b)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_safetensors(path: Path, tensors: dict[str, list[torch.Tensor]], shapes: dict[str, list[int]],
+                      metadata: dict[str, str], compress: str | None = None) -> tuple[int, str]:
+    """Write a safetensors file whose tensors are given as lists of contiguous CPU pieces.
+
+    Streams the pieces (no concatenated copy), fsyncs, returns (bytes, sha256 hex).
+    """
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for name, pieces in tensors.items():
+        nbytes = sum(p.numel() * p.element_size() for p in pieces)
+        header[name] = {"dtype": _ST_DTYPE[pieces[0].dtype] if pieces else "U8", "shape": shapes[name],
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    if compress == "zstd":  # the whole file as one zstd frame; sha256 of the stored bytes
+        import zstandard
+
+        with open(path, "wb") as f:
+            out = _HashingFile(f)
+            with zstandard.ZstdCompressor(level=1, threads=-1).stream_writer(out, closefd=False) as z:
+                for buf in _buffers(len(blob).to_bytes(8, "little") + blob, tensors):
+                    z.write(buf)
+            f.flush()
+            os.fsync(f.fileno())
+        return out.n, out.sha.hexdigest()
+    digest = hashlib.sha256()
+    # hashing (~1.2 GB/s, one core) overlaps the write: both release the GIL on large buffers
+    with open(path, "wb") as f, ThreadPoolExecutor(1, thread_name_prefix="vx-sha256") as hasher:
+        pending = None
+        for i, buf in enumerate(_buffers(len(blob).to_bytes(8, "little") + blob, tensors)):
+            if i == 2:
+                faults.point("mid-shard-write")
+                faults.point("enospc")
+            f.write(buf)
+            if pending is not None:
+                pending.result()
+            pending = hasher.submit(digest.update, buf)
+        if pending is not None:
+            pending.result()
+        f.flush()
+        os.fsync(f.fileno())
+    return 8 + len(blob) + offset, digest.hexdigest()
+
+
+def _buffers(head: bytes, tensors: dict[str, list[torch.Tensor]]):
+    yield memoryview(head)
+    for pieces in tensors.values():
+        for p in pieces:
+            yield memoryview(p.contiguous().view(torch.uint8).numpy())
+
+
+# A partition's own output directory under the root: part-00003-of-00008/
+PART_RE = re.compile(r"^part-\d{5}-of-\d{5}$")
+
+
+def part_dirs(root: Path) -> list[Path]:
+    """Partition outputs under root (any partition count, e.g. an 8-way run resumed 4-way), sorted."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and PART_RE.match(p.name))
+
+
+def output_dirs(root: Path) -> list[Path]:
+    """Every directory whose manifest is part of the dataset at root: root itself, then partitions."""
+    return [Path(root)] + part_dirs(root)
+
+
+def read_manifest(out_dir: Path) -> list[dict]:
+    """Committed shard records. A torn last line (crash mid-append) is ignored."""
+    path = Path(out_dir) / MANIFEST
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+PLAN_DIR = ".vx-plan"

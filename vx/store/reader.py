@@ -1,0 +1,123 @@
+"""`vx.open_dataset(dir)`: read an extraction back, zero-copy, as a torch Dataset.
+
+Only shards recorded in manifest.jsonl are visible. A partitioned run (data parallel, Ray,
+--partition-index) keeps one shard sequence and manifest per partition under part-*/; they are
+read as one dataset, each shard's path relative to the root. Tensors are views into a private
+(copy-on-write) mmap of the shard file: nothing is read until it is touched. fp8 shards are
+dequantized to bf16 on access (that one is a copy).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+from vx.errors import UsageError
+from vx.store.encoding import decode
+from vx.store.format import RUN_META, output_dirs, read_manifest
+
+_TORCH_DTYPE = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I32": torch.int32,
+                "U8": torch.uint8, "I64": torch.int64, "F8_E4M3": torch.float8_e4m3fn}
+
+
+class ShardFile:
+    """One shard, mapped: `tensor(name)` returns a zero-copy view."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        if path.name.endswith(".zst"):  # compressed shard: decompressed into memory (no mmap)
+            import zstandard
+
+            with open(path, "rb") as f:
+                self._mm = bytearray(zstandard.ZstdDecompressor().stream_reader(f).read())
+        else:
+            with open(path, "rb") as f:
+                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        n = int.from_bytes(self._mm[:8], "little")
+        header = json.loads(bytes(self._mm[8: 8 + n]))
+        self.metadata = header.pop("__metadata__", {})
+        self.entries = header
+        self._base = 8 + n
+
+    def tensor(self, name: str) -> torch.Tensor:
+        e = self.entries[name]
+        start, end = e["data_offsets"]
+        dtype = _TORCH_DTYPE[e["dtype"]]
+        raw = torch.frombuffer(self._mm, dtype=torch.uint8, count=end - start, offset=self._base + start) \
+            if end > start else torch.empty(0, dtype=torch.uint8)
+        return raw.view(dtype).reshape(e["shape"])
+
+
+class VxDataset(Dataset):
+    """An extracted dataset. `ds[i]` (int index) or `ds["id"]` (sample id) ->
+    {"id", "input_ids" [T] int32, "loss_mask" [T] uint8, "hidden_states" [T, L, H]}."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise UsageError(f"{self.path} is not a directory")
+        meta_file = self.path / RUN_META
+        self.meta = json.loads(meta_file.read_text()) if meta_file.exists() else {}
+        self.shards = []
+        for d in output_dirs(self.path):
+            rel = d.relative_to(self.path)
+            self.shards += [dict(r, shard=str(rel / r["shard"])) for r in read_manifest(d)]
+        self.ids: list[str] = []
+        self._loc: list[tuple[int, int]] = []
+        for s_idx, rec in enumerate(self.shards):
+            for row, sid in enumerate(rec["sample_ids"]):
+                self.ids.append(sid)
+                self._loc.append((s_idx, row))
+        self._index = {sid: i for i, sid in enumerate(self.ids)}
+        self._open: dict[int, tuple[ShardFile, torch.Tensor]] = {}
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return self.meta.get("layer_ids", [])
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r["num_tokens"] for r in self.shards)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __contains__(self, sample_id: str) -> bool:
+        return sample_id in self._index
+
+    def _shard(self, s_idx: int) -> tuple[ShardFile, torch.Tensor]:
+        if s_idx not in self._open:
+            f = ShardFile(self.path / self.shards[s_idx]["shard"])
+            self._open[s_idx] = (f, f.tensor("offsets"))
+        return self._open[s_idx]
+
+    def __getitem__(self, key: int | str) -> dict:
+        if isinstance(key, str):
+            if key not in self._index:
+                raise KeyError(f"no sample with id {key!r}")
+            i = self._index[key]
+        else:
+            i = range(len(self))[key]
+        s_idx, row = self._loc[i]
+        shard, offsets = self._shard(s_idx)
+        a, b = int(offsets[row]), int(offsets[row + 1])
+        return {
+            "id": self.ids[i],
+            "input_ids": shard.tensor("input_ids")[a:b],
+            "loss_mask": shard.tensor("loss_mask")[a:b],
+            "hidden_states": decode(shard.tensor("hidden_states")[a:b],
+                                    shard.tensor("hidden_scales")[a:b] if "hidden_scales" in shard.entries else None),
+        }
+
+    def __getstate__(self):  # picklable for DataLoader workers: maps are reopened lazily
+        state = self.__dict__.copy()
+        state["_open"] = {}
+        return state
+
+
+def open_dataset(path: str | Path) -> VxDataset:
+    return VxDataset(path)

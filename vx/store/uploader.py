@@ -1,0 +1,176 @@
+"""The uploader: committed shards go to S3 while compute goes on, then leave the local disk.
+
+The shard writer commits shards locally (manifest line = commit). The uploader, a thread in the
+driver process, tails the local manifest and for each committed shard: multipart upload through
+boto3's transfer manager (S3 checks each part's CRC), verify size and the manifest sha256 (kept
+as object metadata), record it in the S3 manifest (flushed every few seconds and at the end),
+and only after that flush delete the local file (unless --keep-local). The S3 prefix then holds
+the layout of a local output directory: shards, manifest.jsonl, errors.jsonl, vx.json.
+
+Backpressure: the writer will not start a shard while local shards would exceed --max-local-gb;
+it waits for the uploader to free space, so nothing is dropped. Retries with backoff for 5xx and
+throttling come from botocore's standard retry mode.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+from pathlib import Path
+
+from vx import faults
+from vx.errors import VxError
+from vx.s3_client import S3Target, make_client
+from vx.store.format import ERRORS, MANIFEST, RUN_META
+from vx.store.s3 import remote_manifest
+
+MANIFEST_FLUSH_S = 5.0
+
+
+UPLOAD_FAILED = ".vx-upload-failed"  # written by the uploader; a waiting writer stops on it
+
+
+def local_shard_bytes(out: Path) -> int:
+    total = 0
+    for f in itertools.chain(out.glob("shard-*.safetensors*"), out.glob(".shard-*.tmp")):
+        try:
+            total += f.stat().st_size
+        except FileNotFoundError:  # deleted by the uploader while we looked
+            pass
+    return total
+
+
+def wait_for_room(out: Path, budget: int, nbytes: int, poll: float = 0.1) -> int:
+    """Block until local shards + nbytes fit the budget; returns the bytes in use when it went on."""
+    while True:
+        used = local_shard_bytes(out)
+        if used + nbytes <= budget or used == 0:
+            return used
+        if (out / UPLOAD_FAILED).exists():
+            raise VxError(f"upload failed: {(out / UPLOAD_FAILED).read_text().strip()}")
+        time.sleep(poll)
+
+
+class Uploader:
+    """Tails out/manifest.jsonl and mirrors committed shards to S3 (a thread in the driver)."""
+
+    def __init__(self, out: Path, target: S3Target, endpoint_url: str | None, keep_local: bool = False,
+                 max_local_bytes: int | None = None, part_mb: int = 64, concurrency: int = 8):
+        from boto3.s3.transfer import TransferConfig
+
+        self.out, self.target, self.keep_local = Path(out), target, keep_local
+        self.max_local_bytes = max_local_bytes
+        self.client = make_client(endpoint_url)
+        self.transfer = TransferConfig(multipart_threshold=part_mb << 20, multipart_chunksize=part_mb << 20,
+                                       max_concurrency=concurrency)
+        self.uploaded: list[dict] = self._remote_manifest()
+        self._done = {r["shard"] for r in self.uploaded}
+        if not keep_local:  # a crash between the S3 manifest flush and the local delete left these
+            for name in self._done:
+                (self.out / name).unlink(missing_ok=True)
+        self._to_delete: list[str] = []
+        self._offset = 0
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self.bytes = 0
+        self.seconds = 0.0
+        self.committed_bytes = 0  # seen in the local manifest this run
+        self._last_flush = time.monotonic()
+        (self.out / UPLOAD_FAILED).unlink(missing_ok=True)
+        self._thread = threading.Thread(target=self._run, name="vx-uploader", daemon=True)
+
+    def start(self) -> "Uploader":
+        self._thread.start()
+        return self
+
+    def _remote_manifest(self) -> list[dict]:
+        return remote_manifest(self.target, None, self.client)
+
+    def _new_records(self) -> list[dict]:
+        path = self.out / MANIFEST
+        if not path.exists():
+            return []
+        with open(path, "rb") as f:
+            f.seek(self._offset)
+            data = f.read()
+        complete = data[: data.rfind(b"\n") + 1]
+        self._offset += len(complete)
+        records = [json.loads(line) for line in complete.decode().splitlines() if line.strip()]
+        self.committed_bytes += sum(r["bytes"] for r in records if r["shard"] not in self._done)
+        return records
+
+    def _run(self) -> None:
+        try:
+            while True:
+                stopping = self._stop.is_set()
+                for rec in self._new_records():
+                    if rec["shard"] not in self._done:
+                        self._upload(rec)
+                if stopping or time.monotonic() - self._last_flush > MANIFEST_FLUSH_S or self._disk_tight():
+                    self._flush()
+                if stopping:
+                    return
+                self._stop.wait(0.1)
+        except BaseException as e:  # surfaced by finish(); a waiting writer sees the marker file
+            self.error = e
+            (self.out / UPLOAD_FAILED).write_text(f"{type(e).__name__}: {e}\n")
+
+    def _disk_tight(self) -> bool:
+        """Uploaded shards wait for the next manifest flush before local delete; flush early when
+        the writer may be waiting for room."""
+        return bool(self._to_delete and self.max_local_bytes and
+                    local_shard_bytes(self.out) >= self.max_local_bytes // 2)
+
+    def _upload(self, rec: dict) -> None:
+        path = self.out / rec["shard"]
+        if not path.exists():
+            raise VxError(f"{rec['shard']} is committed in {self.out / MANIFEST} but is neither there nor in "
+                          f"{self.target} (deleted after upload, and the S3 copy is gone): restore it to S3, or "
+                          "rerun with --overwrite to start this output over")
+        key = self.target.key(rec["shard"])
+        t = time.perf_counter()
+        faults.point("before-upload")
+        self.client.upload_file(str(path), self.target.bucket, key, Config=self.transfer,
+                                ExtraArgs={"Metadata": {"sha256": rec["sha256"]}},
+                                Callback=lambda _: faults.point("mid-upload"))
+        faults.point("after-upload")
+        head = self.client.head_object(Bucket=self.target.bucket, Key=key)
+        if head["ContentLength"] != rec["bytes"] or head.get("Metadata", {}).get("sha256") != rec["sha256"]:
+            raise VxError(f"{key}: uploaded object does not match the manifest (size or sha256)")
+        self.seconds += time.perf_counter() - t
+        self.bytes += rec["bytes"]
+        self.uploaded.append(rec)
+        self._done.add(rec["shard"])
+        self._to_delete.append(rec["shard"])
+
+    def _flush(self) -> None:
+        """Publish the S3 manifest (only verified shards), errors and vx.json; then free local disk."""
+        body = "".join(json.dumps(r) + "\n" for r in self.uploaded).encode()
+        self.client.put_object(Bucket=self.target.bucket, Key=self.target.key(MANIFEST), Body=body)
+        faults.point("after-s3-manifest")
+        for name in (ERRORS, RUN_META):
+            if (self.out / name).exists():
+                self.client.upload_file(str(self.out / name), self.target.bucket, self.target.key(name))
+        if not self.keep_local:
+            for name in self._to_delete:
+                (self.out / name).unlink(missing_ok=True)
+                faults.point("after-delete")
+        self._to_delete.clear()
+        self._last_flush = time.monotonic()
+
+    def status_line(self) -> str:
+        """Committed, uploaded and pending bytes, upload MB/s and local disk in use, for the bar."""
+        mbs = self.bytes / self.seconds / 1e6 if self.seconds else 0.0
+        pending = max(0, self.committed_bytes - self.bytes)
+        return (f"S3 up {self.bytes / 1e6:,.0f}/{self.committed_bytes / 1e6:,.0f} MB ({mbs:,.0f} MB/s), "
+                f"pending {pending / 1e6:,.0f} MB, local {local_shard_bytes(self.out) / 1e6:,.0f} MB")
+
+    def finish(self) -> dict:
+        """Upload what is left, publish the final manifest; raise if anything failed."""
+        self._stop.set()
+        self._thread.join()
+        if self.error is not None:
+            raise VxError(f"upload to {self.target} failed: {self.error}") from self.error
+        return {"uploaded_bytes": self.bytes, "upload_mb_s": self.bytes / self.seconds / 1e6 if self.seconds else 0.0}

@@ -1,0 +1,260 @@
+"""Shards for the loader: mapped in place from a local output, or, from S3, fetched into a bounded
+local cache ahead of use.
+
+S3: whole shards are downloaded by boto3's transfer manager (concurrent ranged GETs), several
+shards at once, in the order the rank's plan will need them, at most `prefetch` shards ahead;
+each is checked against the manifest's sha256 on arrival (a corrupt or replaced object is
+refused, never read) and published by an atomic rename. The cache holds at most `cache_gb`:
+before a fetch, least recently used shards that no upcoming batch needs next are deleted; a
+fetch waits when the rest of the cache is needed (so the bound is cache_gb plus the one shard in
+flight, as long as cache_gb holds the shards of one batch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import tempfile
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from vx.errors import VxError
+from vx.store.reader import ShardFile
+
+OPEN_FILES = 8  # mapped shards kept open per reader
+
+
+class ShardHeader:
+    """A shard's tensor table and sample offsets, read once; rows are then read with pread straight
+    into the caller's buffer (one copy from the page cache, no mapping faults). Compressed shards
+    are decompressed into memory instead."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        if path.name.endswith(".zst"):
+            self.file, self.fd = ShardFile(path), None
+            self.entries = self.file.entries
+        else:
+            self.file, self.fd = None, os.open(path, os.O_RDONLY)
+            n = int.from_bytes(os.pread(self.fd, 8, 0), "little")
+            import json
+
+            header = json.loads(os.pread(self.fd, n, 8))
+            header.pop("__metadata__", None)
+            self.entries, self._base = header, 8 + n
+        self.offsets = self.rows("offsets", 0, len(self) + 1, None) if self.file is None else self.file.tensor("offsets")
+
+    def __len__(self) -> int:
+        return self.entries["offsets"]["shape"][0] - 1
+
+    def rows(self, name: str, a: int, b: int, out):
+        """Rows a..b of tensor `name` into `out` (a uint8-compatible tensor of the right size), or a new tensor."""
+        import torch
+
+        from vx.store.reader import _TORCH_DTYPE
+
+        e = self.entries[name]
+        dtype, shape = _TORCH_DTYPE[e["dtype"]], e["shape"]
+        if self.file is not None:
+            src = self.file.tensor(name)[a:b]
+            if out is None:
+                return src.clone()
+            out.copy_(src)
+            return out
+        row = dtype.itemsize
+        for d in shape[1:]:
+            row *= d
+        if out is None:
+            out = torch.empty([b - a, *shape[1:]], dtype=dtype)
+        if self.fd is None:  # closed by the LRU while a batch still needed it
+            self.fd = os.open(self.path, os.O_RDONLY)
+        view = memoryview(out.view(torch.uint8).numpy()).cast("B") if out.numel() else memoryview(b"")
+        start, done = self._base + e["data_offsets"][0] + a * row, 0
+        while done < len(view):
+            got = os.preadv(self.fd, [view[done:]], start + done)
+            if got <= 0:
+                raise VxError(f"{self.path}: shard shorter than its header says")
+            done += got
+        return out
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+class LocalShards:
+    def begin(self, k: int) -> None:
+        pass
+
+    def __init__(self, root: Path, records: list[dict]):
+        self.root, self.records = root, records
+        self._open: OrderedDict[int, ShardHeader] = OrderedDict()
+
+    def path(self, i: int) -> Path:
+        return self.root / self.records[i]["shard"]
+
+    def get(self, i: int) -> ShardHeader:
+        if i in self._open:
+            self._open.move_to_end(i)
+            return self._open[i]
+        self._open[i] = ShardHeader(self.path(i))
+        while len(self._open) > OPEN_FILES:
+            self._open.popitem(last=False)[1].close()
+        return self._open[i]
+
+    def close(self) -> None:
+        for h in self._open.values():
+            h.close()
+        self._open.clear()
+
+
+class S3Shards(LocalShards):
+    """The S3 cache of one reader (a rank, or one DataLoader worker of it). `plan` lists the
+    shards of each batch this reader will assemble, in order; `begin(k)` says batch k is next."""
+
+    def __init__(self, url: str, endpoint_url: str | None, records: list[dict], cache_dir: Path, cache_bytes: int,
+                 plan: list[list[int]], prefetch: int, concurrency: int):
+        from boto3.s3.transfer import TransferConfig
+
+        from vx.s3_client import make_client, parse_s3_url
+
+        super().__init__(cache_dir, records)
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        for stale in cache_dir.glob(".fetch-*"):
+            stale.unlink()
+        self.target, self.client = parse_s3_url(url), make_client(endpoint_url)
+        self.transfer = TransferConfig(multipart_threshold=8 << 20, multipart_chunksize=8 << 20,
+                                       max_concurrency=concurrency)
+        self.cache_bytes, self.plan, self.prefetch = cache_bytes, plan, max(1, prefetch)
+        self.peak_bytes = 0
+        self._cond = threading.Condition()
+        self._ready: set[int] = set()                        # in the cache, checked
+        self._used: OrderedDict[int, None] = OrderedDict()   # LRU of ready shards
+        self._pending: dict[int, object] = {}
+        self._k = 0                                          # the batch being assembled
+        self._error: BaseException | None = None
+        self._stop = False
+        self._pool = ThreadPoolExecutor(self.prefetch, thread_name_prefix="vx-shard-fetch")
+        self._feeder = threading.Thread(target=self._feed, name="vx-shard-prefetch", daemon=True)
+        self._feeder.start()
+
+    def path(self, i: int) -> Path:
+        return self.root / self.records[i]["shard"].replace("/", "__")
+
+    def bytes_cached(self) -> int:
+        return sum(self.records[i]["bytes"] for i in self._ready | set(self._pending))
+
+    def begin(self, k: int) -> None:
+        with self._cond:
+            self._k = k
+            self._cond.notify_all()
+
+    def upcoming(self) -> list[int]:
+        """Distinct shards from the current batch on: all of the current batch, then `prefetch` more."""
+        out: dict[int, None] = dict.fromkeys(self.plan[self._k]) if self._k < len(self.plan) else {}
+        base = len(out)
+        for b in self.plan[self._k + 1:]:
+            if len(out) >= base + self.prefetch:
+                break
+            out.update(dict.fromkeys(b))
+        return list(out)
+
+    def get(self, i: int):
+        if i not in self._open:
+            with self._cond:
+                while i not in self._ready:
+                    if self._error is not None:
+                        raise self._error
+                    if i not in self._pending:
+                        self._start(i, wait_for_room=False)
+                    self._cond.wait(0.1)
+                self._used[i] = None
+                self._used.move_to_end(i)
+        return super().get(i)
+
+    def _start(self, i: int, wait_for_room: bool) -> bool:
+        """Under the lock: make room for shard i and start its fetch; False if no room yet."""
+        size, keep = self.records[i]["bytes"], set(self.upcoming()) | {i}
+        for old in list(self._used):
+            if self.bytes_cached() + size <= self.cache_bytes:
+                break
+            if old not in keep:
+                self._evict(old)
+        if wait_for_room and self.bytes_cached() + size > self.cache_bytes and (self._ready or self._pending):
+            return False
+        self._pending[i] = self._pool.submit(self._fetch, i)
+        self.peak_bytes = max(self.peak_bytes, self.bytes_cached())
+        return True
+
+    def _evict(self, i: int) -> None:
+        self._used.pop(i, None)
+        self._ready.discard(i)
+        h = self._open.pop(i, None)
+        if h is not None:
+            h.close()
+        self.path(i).unlink(missing_ok=True)
+
+    def _feed(self) -> None:
+        """Start fetches for the shards the plan needs next, in order, at most `prefetch` at once."""
+        with self._cond:
+            while not self._stop and self._error is None:
+                ahead = [i for i in self.upcoming() if i not in self._ready and i not in self._pending]
+                if not ahead or len(self._pending) >= self.prefetch or not self._start(ahead[0], wait_for_room=True):
+                    self._cond.wait(0.05)
+
+    def _fetch(self, i: int) -> None:
+        rec = self.records[i]
+        try:
+            fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".fetch-")
+            os.close(fd)
+            self.client.download_file(self.target.bucket, self.target.key(rec["shard"]), tmp, Config=self.transfer)
+            digest = hashlib.sha256()
+            with open(tmp, "rb") as f:
+                while chunk := f.read(8 << 20):
+                    digest.update(chunk)
+            if digest.hexdigest() != rec["sha256"]:
+                os.unlink(tmp)
+                raise VxError(f"{self.target}/{rec['shard']}: sha256 does not match the manifest (a corrupt or "
+                              "replaced object); refusing to read it. Check the output with `vx verify`")
+            os.replace(tmp, self.path(i))
+            with self._cond:
+                self._pending.pop(i, None)
+                self._ready.add(i)
+                self._used[i] = None
+                self._cond.notify_all()
+        except BaseException as e:
+            with self._cond:
+                self._pending.pop(i, None)
+                self._error = e if isinstance(e, VxError) else VxError(f"fetching {rec['shard']} failed: {e}")
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._feeder.join()
+        self._pool.shutdown(wait=True)
+        super().close()
+
+
+@contextlib.contextmanager
+def open_shards(loader, batches: list, tag: str):
+    """The shard source for one pass of a Loader over `batches` (this reader's share)."""
+    cat = loader.catalog
+    if not cat.remote:
+        src = LocalShards(Path(cat.path), cat.shards)
+    else:
+        plan = [list(dict.fromkeys(cat.shard_of[b.samples].tolist())) for b in batches]
+        base = Path(loader.cache_dir) if loader.cache_dir else Path(tempfile.gettempdir()) / "vx-loader-cache"
+        key = hashlib.sha256(cat.path.encode()).hexdigest()[:12]
+        src = S3Shards(cat.path, cat.endpoint_url, cat.shards, base / key / tag, loader.cache_bytes, plan,
+                       loader.prefetch, loader.concurrency)
+    loader.shards = src  # for inspection (peak_bytes) after or during a pass
+    try:
+        yield src
+    finally:
+        src.close()
