@@ -67,3 +67,20 @@ def test_no_module_is_over_300_lines_without_its_reason_at_the_top():
         if len(text.splitlines()) > MAX_LINES and "Over 300 lines:" not in doc:
             long.append(f"{p.relative_to(ROOT)}: {len(text.splitlines())} lines")
     assert long == []
+
+
+def test_every_import_of_a_vx_name_resolves_also_inside_functions():
+    # imports inside functions run only when their branch does; a moved name must not wait for that
+    import importlib
+    import importlib.util
+
+    missing = []
+    for p in sorted((ROOT / "vx").rglob("*.py")):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "vx":
+                module = importlib.import_module(node.module)
+                for alias in node.names:
+                    if not hasattr(module, alias.name) and importlib.util.find_spec(
+                            f"{node.module}.{alias.name}") is None:
+                        missing.append(f"{p.relative_to(ROOT)}:{node.lineno}: {node.module} has no {alias.name}")
+    assert missing == []

@@ -20,10 +20,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from vx.engine.logs import LOG_DIR
-from vx.errors import VxError
 from vx.jobs.config import ExtractConfig
 from vx.launch.workers import (
     Tally,
+    failed_partitions,
     run_partition_worker,
     run_workers,
     spawn_worker,
@@ -72,9 +72,7 @@ def run_data_parallel(cfg: ExtractConfig, progress: bool | None = None):
     finally:
         bar.close()
     if failed:
-        lines = "; ".join(f"partition {i} ({v})" for i, v in sorted(failed.items()))
-        raise VxError(f"{len(failed)} of {cfg.num_partitions} partitions failed: {lines}. The others' work and "
-                      "every committed shard are kept; rerun the same command to finish the failed partitions")
+        raise failed_partitions(failed, cfg.num_partitions, "", "The others' work and every committed shard are kept")
     return combine(cfg, job.backend, results, time.perf_counter() - t0, time.perf_counter() - t_start, balance)
 
 

@@ -16,7 +16,6 @@ import sys
 import time
 from dataclasses import replace
 
-from vx.errors import VxError
 from vx.jobs.config import ExtractConfig
 from vx.jobs.data_parallel import WORKER, combine, make_plan, partition_config
 from vx.launch.ray_tasks import (
@@ -27,7 +26,7 @@ from vx.launch.ray_tasks import (
     require_ray,
     run_tasks,
 )
-from vx.launch.workers import Tally
+from vx.launch.workers import Tally, failed_partitions
 from vx.progress import RunProgress
 
 
@@ -66,9 +65,8 @@ def _run_ray(cfg: ExtractConfig, progress: bool | None):
     finally:
         bar.close()
     if failed:
-        lines = "; ".join(f"partition {i}: {v}" for i, v in sorted(failed.items()))
-        raise VxError(f"{len(failed)} of {cfg.num_partitions} partitions failed after {cfg.max_retries} retries: "
-                      f"{lines}. Committed shards are kept; rerun the same command to finish them")
+        raise failed_partitions(failed, cfg.num_partitions, f" after {cfg.max_retries} retries",
+                                "Committed shards are kept")
     s = combine(cfg, job.backend, results, time.perf_counter() - t0, time.perf_counter() - t_start, balance)
     for p in s.partitions:
         p.update(node=results[p["partition"]].get("node"), attempts=attempts.get(p["partition"], 1))

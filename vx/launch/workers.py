@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+from vx.errors import VxError
 from vx.progress import RunProgress
 
 GROUP_EXIT_S = 30.0  # a finished worker's engine processes get this long after SIGTERM, then SIGKILL
@@ -225,3 +226,10 @@ def group_alive(pgid: int) -> bool:
         if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
             return True
     return False
+
+
+def failed_partitions(failed: dict[int, str], count: int, how: str, kept: str) -> VxError:
+    """The one line for partitions that failed: which and why, what is kept, what to do."""
+    lines = "; ".join(f"partition {i} ({v})" for i, v in sorted(failed.items()))
+    return VxError(f"{len(failed)} of {count} partitions failed{how}: {lines}. {kept}; rerun the same command "
+                   "to finish them")

@@ -17,7 +17,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from vx.errors import VxError
+from vx.launch.workers import failed_partitions
 from vx.regenerate.config import RegenConfig
 from vx.regenerate.output import merge_parts, parts_dir
 
@@ -95,9 +95,8 @@ def run_partitions(cfg: RegenConfig, progress: bool | None = None) -> dict:
     finally:
         bar.close()
     if failed:
-        lines_ = "; ".join(f"partition {i} ({v})" for i, v in sorted(failed.items()))
-        raise VxError(f"{len(failed)} of {cfg.num_partitions} partitions failed: {lines_}. Every committed "
-                      f"conversation is kept in {parts_dir(cfg.output)}; rerun the same command to finish them")
+        raise failed_partitions(failed, cfg.num_partitions, "",
+                                f"Every committed conversation is kept in {parts_dir(cfg.output)}")
     merged = merge_parts(cfg.output, cfg.num_partitions)  # the last worker did, unless it could not
     summary = {k: sum(r[k] for r in results.values()) for k in SUM}
     summary.update(output=str(cfg.output), conversations_in_output=merged["conversations"],
