@@ -164,3 +164,21 @@ def useful_flops(config, last_layer: int, lengths) -> float:
     tokens = sum(lengths)
     attn = sum(2 * 2 * n * n * attn_dim / 2 for n in lengths) * attn_layers
     return 2 * params * tokens + attn
+
+
+RESULTS = ROOT / "bench" / "results"
+
+
+def write_result(bench: str, result: dict, out: str | os.PathLike | None = None, device: str | None = None) -> Path:
+    """One JSON file per run, holding every contender of that run, never overwritten:
+    RESULTS/<bench>-<device>-<YYYY-MM-DD>-<HHMMSS>.json. `out`: a directory, or a file ending in .json."""
+    import json
+    import platform
+
+    device = (device or f"cpu-{platform.machine()}").replace(" ", "_")
+    stamp = time.strftime("%Y-%m-%d-%H%M%S")
+    target = Path(out) if out else RESULTS
+    path = target if target.suffix == ".json" else target / f"{bench}-{device}-{stamp}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(result, bench=bench, written=stamp), indent=2) + "\n")
+    return path

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REAL_CHAT, ROOT  # noqa: E402
+from common import REAL_CHAT, write_result  # noqa: E402
 
 
 def write_formats(records: list[dict], raw: bytes, d: Path) -> dict[str, Path]:
@@ -100,9 +100,8 @@ def main() -> None:
                  tokens_per_s=round(b["tokens"] / b["tokenize_s"]), x_jsonl=round(sps / base, 3))
         print(f"{name:14} {b['bytes'] / 1e6:7.1f} {b['rows_per_s']:12,} {b['samples_per_s']:20,.1f} "
               f"{b['tokens_per_s']:10,} {b['x_jsonl']:8.3f}")
-    out = ROOT / "bench" / "results" / "inputs.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"tokenizer": vocab, "reps": args.reps, "formats": best}, indent=2) + "\n")
+    out = write_result("inputs", {"tokenizer": vocab, "reps": args.reps, "formats": best})
+    print(f"wrote {out}", file=sys.stderr)
 
 
 if __name__ == "__main__":

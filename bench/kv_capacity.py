@@ -61,11 +61,12 @@ def main(argv=None):
               "concurrency_ratio": vx["max_concurrency"] / bare["max_concurrency"],
               "model": "embedded tiny (8 layers: 6 GDN + 2 attention, hidden 256, 2 KV heads x 64), 5 captured"}
     print(json.dumps(result, indent=2))
-    Path(args.out).mkdir(parents=True, exist_ok=True)
     import torch
 
-    device = torch.cuda.get_device_name(0).replace(" ", "_") if torch.cuda.is_available() else "cpu"
-    (Path(args.out) / f"kv_capacity-{device}.json").write_text(json.dumps(result, indent=2) + "\n")
+    from common import write_result
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    print(f"wrote {write_result('kv_capacity', result, args.out, device)}", file=sys.stderr)
 
 
 if __name__ == "__main__":

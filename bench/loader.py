@@ -112,9 +112,10 @@ def main() -> None:
         results["s3"] = bench_s3(tmp, files, nbytes)
         results["rss"] = bench_rss(tmp, args.hidden)
     print(json.dumps(results, indent=2))
-    out = ROOT / "bench" / "results" / "loader.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    sys.path.insert(0, str(ROOT / "bench"))
+    from common import write_result
+
+    print(f"wrote {write_result('loader', results)}", file=sys.stderr)
 
 
 def bench_s3(tmp: Path, files: list[Path], nbytes: int) -> dict:

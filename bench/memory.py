@@ -92,6 +92,9 @@ def main(argv=None):
                "output_hidden_states_gb": round(results["output_hidden_states"][key], 3),
                "hooks_gb": round(results["hooks"][key], 3), "hooks_over_ohs": round(ratio, 3), "runs": results}
     print(json.dumps(summary))
+    from common import write_result
+
+    print(f"wrote {write_result('memory', summary)}", file=sys.stderr)
     return summary
 
 

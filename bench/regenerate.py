@@ -106,9 +106,10 @@ def main() -> None:
               "plain": {"tokens_per_s_median": med["plain"], "runs": runs["plain"]},
               "ratio": round(med["vx"] / med["plain"], 3)}
     print(json.dumps(result, indent=2))
-    out = ROOT / "bench" / "results" / "regenerate.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    sys.path.insert(0, str(ROOT / "bench"))
+    from common import write_result
+
+    print(f"wrote {write_result('regenerate', result)}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shutil
 import statistics
 import subprocess
@@ -23,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import REAL_CHAT, ROOT
+from common import REAL_CHAT, ROOT, write_result
 
 
 def run(data: Path, out: Path, dp: int, max_length: int) -> dict:
@@ -75,8 +74,8 @@ def main(argv=None):
     res["extract_speedup"] = round(res["single_extract_s"] / res["dp_extract_s"], 3)
     res["wall_speedup"] = round(res["single_wall_s"] / res["dp_wall_s"], 3)
     print(json.dumps(res))
-    dest = ROOT / "bench" / "results" / f"scale_out-cpu-{platform.machine()}-{time.strftime('%Y-%m-%d')}.json"
-    dest.write_text(json.dumps(res, indent=2) + "\n")
+    dest = write_result("scale_out", res)
+    print(f"wrote {dest}", file=sys.stderr)
     return res
 
 

@@ -105,6 +105,9 @@ def main(argv=None):
     res["writer_over_raw"] = round(res["shard_writer_mb_s"] / raw, 3)
     res["s3_over_raw"] = round(res["s3_upload_local_moto_mb_s"] / raw, 3)
     print(json.dumps(res))
+    from common import write_result
+
+    print(f"wrote {write_result('sink', res)}", file=sys.stderr)
     return res
 
 

@@ -15,7 +15,7 @@ torch.compile, and CUDA graphs on a GPU); ratios compare modes within one pass.
 Data: real public chat conversations (../shared/data/chat) tokenized with the real Qwen3.6
 vocabulary; model: tiny random hybrid GDN with that vocabulary. MFU counts only useful FLOPs
 (layers up to the last target, real tokens) against a bf16 matmul peak measured in the same run.
-Writes bench/results/<device>-<date>.json and prints a table.
+Writes bench/results/throughput-<device>-<date>-<time>.json (one file per run) and prints a table.
 """
 
 from __future__ import annotations
@@ -40,7 +40,15 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).reso
 # shard's flush is serial; in a 120-sample run a 1 GB shard would make it the whole output).
 SHARD_BYTES = 16 << 20
 
-from common import PeakRss, bench_model, length_stats, matmul_peak_flops, real_samples, useful_flops  # noqa: E402
+from common import (  # noqa: E402
+    PeakRss,
+    bench_model,
+    length_stats,
+    matmul_peak_flops,
+    real_samples,
+    useful_flops,
+    write_result,
+)
 
 
 def run_hf_naive(model, samples, layer_ids):
@@ -272,10 +280,7 @@ def main(argv=None):
               "data": length_stats(samples), "matmul_peak_tflops": peak / 1e12, "setup_s": setup_s,
               "reps": args.reps, "modes": table, "rss_scaling_vx_vllm": scaling}
     print_table(result)
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{device.replace(' ', '_')}-{result['date']}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    path = write_result("throughput", result, args.out, device)
     print(f"wrote {path}", file=sys.stderr)
     return result
 

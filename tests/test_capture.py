@@ -70,7 +70,7 @@ def test_sink_writes_every_sample_and_rejects_bad_states(tmp_path, store):
             assert ds[f.sample_id]["loss_mask"].tolist() == list(f.loss_mask)
             if store == "bf16":
                 assert torch.equal(got, want)
-            else:  # the README's fp8 bound: per token and layer, |x - dequant(x)| <= amax / 16
+            else:  # the fp8 bound of docs/output-format.md: per token and layer, |x - dequant(x)| <= amax / 16
                 amax = want.abs().amax(dim=2, keepdim=True)
                 assert ((got - want).abs() <= amax / 16 + 1e-6).all()
                 assert (amax / FP8_MAX > 0).all()

@@ -92,7 +92,7 @@ def test_fp8_round_trip_is_within_the_stated_bound(tmp_path):
     x = h.float()
     amax = x.abs().amax(dim=2, keepdim=True)
     err = (back.float() - x).abs()
-    assert (err <= amax / 16 + 1e-12).all()  # README: max |x - dequant(x)| <= amax / 16 per token and layer
+    assert (err <= amax / 16 + 1e-12).all()  # docs/output-format.md: max |x - dequant(x)| <= amax / 16 per token and layer
     rec = read_manifest(tmp_path)[0]
     assert rec["bytes"] < 50 * (L * H + 4 * L + 5) + 4096  # ~1 byte per value + a scale per token-layer
 

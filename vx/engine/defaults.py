@@ -1,4 +1,4 @@
-"""GPU engine defaults, from the memory arithmetic of extraction (README "Backends: cost").
+"""GPU engine defaults, from the memory arithmetic of extraction (docs/backends.md, cost of capture).
 
 Per token, the engine keeps its attention KV plus, for vx, the cache-only hidden-state group:
 L x H x 2 bytes (5 x 5120 x 2 = 51,200 B for a 27B target). Per running request, a hybrid GDN

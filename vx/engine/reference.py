@@ -4,7 +4,7 @@ how close a correct capture must come.
 The reference is a per-sample HF forward (batch 1, hooks on the target layers, vx/engine/hf_extractor.py)
 on this machine's device. fp32 when it fits in the free memory (weights x 4 bytes, plus room for
 one sample's activations), else bf16; the bound follows the reference's dtype, the stored dtype
-and the model family, from what correct captures measured here (README "Correctness"): a bf16
+and the model family, from what correct captures measured here (docs/correctness.md): a bf16
 capture scores 0.9999 against an fp32 reference on the dense hybrid models, and HF's own bf16
 forward 0.9998; MoE targets flip near-tie expert choices in bf16 (cosine 0.997 and max |diff|
 0.40 x max |ref| observed for HF's own bf16 forward); fp8 storage keeps 3 mantissa bits. An off-by-one layer or token, or a batch-dependent mix-up, scores far

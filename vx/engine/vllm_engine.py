@@ -12,7 +12,7 @@ from vx.data.samples import Sample
 from vx.engine.worker import WARMUP_PREFIX
 
 EXTENSION = "vx.engine.worker.VxWorkerExtension"
-# CPU default: eager. Compiled measured slower on CPU (bench/throughput.py, README Performance) and
+# CPU default: eager. Compiled measured slower on CPU (bench/throughput.py, docs/performance.md) and
 # starts ~60 s slower cold; on a GPU vLLM's default (compiled, CUDA graphs) is used.
 EAGER_ON_CPU = True
 
