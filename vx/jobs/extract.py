@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import time
+from itertools import chain
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Iterator
@@ -164,7 +165,11 @@ def _extract_locked(cfg, job, out: Output, lines, elsewhere, progress, reporter,
 
     max_model_len = None
     try:
-        if job.backend == "hf":
+        samples = good_samples()
+        first = next(samples, None)  # none left (a finished partition's rerun): no model is loaded
+        if first is None:
+            stats, shards, nbytes, peak_local = [0.0, 0.0, 0.0, 0, 0], 0, 0, 0
+        elif job.backend == "hf":
             def reject(sample_id: str, reason: str, line: int | None) -> None:  # in the writer thread
                 errors.write({"line": line, "id": sample_id, "reason": reason})
                 if cfg.strict:
@@ -173,13 +178,14 @@ def _extract_locked(cfg, job, out: Output, lines, elsewhere, progress, reporter,
             writer = ShardWriter(cfg.output, shard_meta, shard_args[1], state.next_shard, len(layer_ids),
                                  info.hidden_size, cfg.store_dtype, on_reject=reject, max_local_bytes=max_local,
                                  compress=cfg.compress)
-            *stats, = _run_hf(cfg, job.model_dir, layer_ids, job.tokenizer, good_samples(), writer, bar, t0)
+            *stats, = _run_hf(cfg, job.model_dir, layer_ids, job.tokenizer, chain([first], samples), writer,
+                              bar, t0)
             shards, nbytes, peak_local = writer.committed_shards, writer.committed_bytes, writer.peak_local_bytes
         else:
             from vx.engine.vllm_extractor import run_vllm
 
-            *stats, wstats = run_vllm(cfg, job.model_dir, info, layer_ids, good_samples(), shard_args, bar, t0,
-                                      errors)
+            *stats, wstats = run_vllm(cfg, job.model_dir, info, layer_ids, chain([first], samples), shard_args, bar,
+                                      t0, errors)
             shards, nbytes = wstats.get("shards", 0), wstats.get("bytes", 0)
             peak_local = wstats.get("peak_local_bytes", 0)
             max_model_len = wstats.get("max_model_len")

@@ -78,6 +78,7 @@ class Uploader:
         self.seconds = 0.0
         self.committed_bytes = 0  # seen in the local manifest this run
         self._last_flush = time.monotonic()
+        self._published: dict[str, tuple] = {}  # vx.json, errors.jsonl: their stat when last put
         (self.out / UPLOAD_FAILED).unlink(missing_ok=True)
         self._thread = threading.Thread(target=self._run, name="vx-uploader", daemon=True)
 
@@ -150,9 +151,11 @@ class Uploader:
         body = "".join(json.dumps(r) + "\n" for r in self.uploaded).encode()
         self.client.put_object(Bucket=self.target.bucket, Key=self.target.key(MANIFEST), Body=body)
         faults.point("after-s3-manifest")
-        for name in (ERRORS, RUN_META):
-            if (self.out / name).exists():
-                self.client.upload_file(str(self.out / name), self.target.bucket, self.target.key(name))
+        for name in (ERRORS, RUN_META):  # each once it changed (vx.json: once a run)
+            path = self.out / name
+            if path.exists() and self._published.get(name) != ((st := path.stat()).st_mtime_ns, st.st_size):
+                self.client.put_object(Bucket=self.target.bucket, Key=self.target.key(name), Body=path.read_bytes())
+                self._published[name] = (st.st_mtime_ns, st.st_size)
         if not self.keep_local:
             for name in self._to_delete:
                 (self.out / name).unlink(missing_ok=True)
