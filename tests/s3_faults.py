@@ -30,6 +30,10 @@ class FaultyProxy:
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
+            # HTTP/1.1 answers botocore's "Expect: 100-continue" at once; under HTTP/1.0 every request
+            # with a body waited out botocore's 1 s expect timeout before sending it
+            protocol_version = "HTTP/1.1"
+
             def log_message(self, *args):
                 pass
 
@@ -45,7 +49,7 @@ class FaultyProxy:
                         proxy.injected += 1
                     return self._reply(503, SLOW_DOWN)
                 conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=60)
-                headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "expect")}
                 headers["Host"] = f"127.0.0.1:{proxy.upstream_port}"
                 try:
                     conn.request(self.command, self.path, body=body, headers=headers)

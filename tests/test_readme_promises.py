@@ -1,4 +1,4 @@
-"""What the README promises, each through the real `vx` command: store dtypes and zstd on both
+"""What the README and docs/ promise, each through the real `vx` command: store dtypes and zstd on both
 backends (the vLLM worker's own writer included), refusal of another model, hidden size or store
 dtype on the same output, --strict, and kill -9 of a vLLM run that writes to S3, after which
 `vx verify` recomputes every sample, the redone ones included. References are plain HF forwards
@@ -6,12 +6,14 @@ dtype on the same output, --strict, and kill -9 of a vLLM run that writes to S3,
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import vx
-from conftest import write_jsonl
+from conftest import ROOT, write_jsonl
 from test_cli import vx_cmd
 from test_s3 import CREDS, download, s3_server  # noqa: F401  (fixture)
 
@@ -53,12 +55,19 @@ def test_store_dtypes_and_zstd_round_trip_through_the_cli(backend, tmp_path, tin
 
     data = write_jsonl(tmp_path / "d.jsonl", ROWS)
     stored = {"fp16": "torch.float16", "fp32": "torch.float32", "fp8": "torch.float8_e4m3fn"}
-    for dtype, compress, floor in [("fp16", None, 0.9998), ("fp32", None, 0.9998), ("fp8", "zstd", 0.99)]:
+    cases = [("fp16", None, 0.9998), ("fp32", None, 0.9998), ("fp8", "zstd", 0.99)]
+    # three independent runs, started at once (an engine's start is mostly its processes' imports),
+    # each vLLM engine with a small share of host memory
+    runs = [subprocess.Popen(
+        [sys.executable, "-m", "vx", "extract", str(data), "-o", str(tmp_path / f"{backend}-{dtype}"), "--backend",
+         backend, "--layers", ",".join(map(str, LAYERS)), "--store-dtype", dtype, "--json",
+         *(["--compress", compress] if compress else []), "--gpu-memory-utilization", "0.05"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT) for dtype, compress, _ in cases]
+    results = [(run.communicate(timeout=900), run.returncode) for run in runs]
+    for (dtype, compress, floor), ((stdout, stderr), rc) in zip(cases, results):
         out = tmp_path / f"{backend}-{dtype}"
-        r = vx_cmd("extract", str(data), "-o", str(out), "--backend", backend, "--layers", ",".join(map(str, LAYERS)),
-                   "--store-dtype", dtype, *(["--compress", compress] if compress else []), "--json")
-        assert r.returncode == 0, r.stderr[-3000:]
-        assert json.loads(r.stdout)["samples"] == len(ROWS)
+        assert rc == 0, stderr[-3000:]
+        assert json.loads(stdout)["samples"] == len(ROWS)
         shards = sorted(out.glob("shard-*"))
         assert shards and all(f.name.endswith(".zst") == bool(compress) for f in shards)
         if not compress:  # the bytes on disk are in the store dtype
