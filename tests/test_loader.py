@@ -157,6 +157,22 @@ def test_a_corrupted_s3_shard_is_refused_with_a_clear_error(outputs, s3_copy, tm
             pass
 
 
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_loader_left_before_its_epoch_ends_exits_quietly(outputs, s3_copy, tmp_path, where):
+    """What a trainer that stops at its max steps does, or a user taking two batches to look:
+    iterate part of an epoch, keep state_dict(), exit. Nothing is printed at exit, and the state
+    says where to resume."""
+    url, _ = s3_copy
+    path = str(outputs["bf16"]) if where == "local" else "s3://vx-out/bf16"
+    code = (f"import vx\ndata = vx.loader({path!r}, {BUDGET}, seed=1, endpoint_url={url!r}, "
+            f"cache_dir={str(tmp_path / 'cache')!r})\n"
+            "batches = iter(data)\nnext(batches), next(batches)\nprint(data.state_dict()['position'])\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, **CREDS))
+    assert r.returncode == 0 and r.stdout.strip() == "2", r.stderr[-3000:]
+    assert "Exception ignored" not in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
+
+
 def test_a_draft_head_trains_under_torchrun_on_2_processes(outputs):
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                         str(ROOT / "examples" / "train_draft.py"), str(outputs["bf16"]), "--steps", "40",

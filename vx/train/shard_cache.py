@@ -12,6 +12,7 @@ flight, as long as cache_gb holds the shards of one batch).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import os
@@ -233,6 +234,8 @@ class S3Shards(LocalShards):
                 self._cond.notify_all()
 
     def close(self) -> None:
+        if self._stop and not self._feeder.is_alive():
+            return  # closed already (at exit, then by the pass's own cleanup)
         with self._cond:
             self._stop = True
             self._cond.notify_all()
@@ -254,7 +257,12 @@ def open_shards(loader, batches: list, tag: str):
         src = S3Shards(cat.path, cat.endpoint_url, cat.shards, base / key / tag, loader.cache_bytes, plan,
                        loader.prefetch, loader.concurrency)
     loader.shards = src  # for inspection (peak_bytes) after or during a pass
+    # A pass left before its end (a trainer stopping at its max steps) is closed at interpreter
+    # exit while threads and modules still work; the generator's own cleanup then finds it closed.
+    close, unregister = src.close, atexit.unregister
+    atexit.register(close)
     try:
         yield src
     finally:
-        src.close()
+        close()
+        unregister(close)
