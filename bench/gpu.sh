@@ -6,6 +6,8 @@
 #  2. with the time left, vLLM installed: vx-vllm vs vllm-bare vs vllm-builtin on the 64-layer
 #     shape (load_format=dummy), bench/gpu_vllm.py -> $OUT/gpu-vllm-bench.json
 #  3. with the time left: hf-naive vs vx hf-hooks, bench/gpu.py -> $OUT/gpu-bench.json
+#  (between 1 and 2, speculators installed: docs/speculators.md's recipe on the embedded default,
+#   extract -> export -> speculators train, 10 steps -> $OUT/speculators-train.txt)
 # Writes to bench/results/tmp/ when $OUT is unset. Exit status: the selftest's.
 # VX_BENCH_SMOKE=1: the tiny config on CPU, to check this script's own logic.
 set -uo pipefail
@@ -33,6 +35,20 @@ PY
 timeout 300 "$PY" -m vx selftest --model "$MODEL" --report "$OUT/selftest.json" 2>&1 | tee "$OUT/selftest.txt"
 rc=${PIPESTATUS[0]}
 rm -rf "$MODEL"
+if "$PY" -c "import speculators" 2>/dev/null && [ "$(left)" -gt 240 ] && [ "${VX_BENCH_SMOKE:-0}" != 1 ]; then
+  # docs/speculators.md's recipe end to end on the embedded default: extract, export, speculators train
+  S=$(mktemp -d /tmp/vx-spec.XXXX)
+  VERIFIER=$("$PY" -c "from vx.data.tiny import default_model_dir; print(default_model_dir())")
+  timeout 200 bash -c "set -e
+    '$PY' -m vx extract examples/chat.jsonl -o '$S/out' --layers speculators-dflash
+    '$PY' -m vx export '$S/out' --to speculators -o '$S/index' --json > '$S/export.json'
+    '$PY' -m vx.train.speculators train --data-path '$S/index' --hidden-states-backend vx --on-missing skip \
+      --verifier-name-or-path '$VERIFIER' --speculator-type dflash \
+      --target-layer-ids \$('$PY' -c \"import json; print(*json.load(open('$S/export.json'))['target_layer_ids'])\") \
+      --save-path '$S/ckpt' --epochs 1 --max-steps 10 --total-seq-len 1024 --log-freq 1" > "$OUT/speculators-train.txt" 2>&1
+  echo "speculators recipe: exit $?" | tee -a "$OUT/speculators-train.txt" >&2
+  rm -rf "$S"
+fi
 if "$PY" -c "import vllm" 2>/dev/null && [ "$(left)" -gt 120 ]; then
   VX_BENCH_DEADLINE_S=$(( $(left) - 60 )) timeout "$(left)" "$PY" bench/gpu_vllm.py
 fi

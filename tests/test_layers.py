@@ -27,3 +27,15 @@ def test_parse_and_sort():
         parse_layer_ids("1,two")
     with pytest.raises(UsageError, match="duplicate"):
         check_layer_ids([1, 1], 8)
+
+
+def test_presets_name_a_trainers_layers_and_a_typo_is_one_line():
+    from vx.data.layers import resolve_layer_ids
+
+    assert parse_layer_ids("speculators-dflash") == "speculators-dflash"
+    assert resolve_layer_ids("dflash", 64) == resolve_layer_ids(None, 64) == [1, 16, 31, 46, 61]
+    assert resolve_layer_ids("speculators-dflash", 64) == [1, 16, 31, 46, 61, 63]  # and the verifier's last
+    assert resolve_layer_ids("speculators", 64) == [1, 31, 60, 63]  # speculators' 2, 32, 61 (embedding = 0)
+    assert resolve_layer_ids("speculators-dflash", 8) == [1, 2, 3, 4, 5, 7]
+    with pytest.raises(UsageError, match="preset"):
+        parse_layer_ids("speculator-dflash")

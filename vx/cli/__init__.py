@@ -7,7 +7,7 @@ import sys
 
 import typer
 
-from vx.cli import bench, extract, inspect, regenerate, selftest, verify  # noqa: F401  (register the commands)
+from vx.cli import bench, export, extract, inspect, regenerate, selftest, verify  # noqa: F401  (register the commands)
 from vx.cli.app import app
 from vx.errors import run_guarded
 

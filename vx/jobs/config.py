@@ -20,7 +20,7 @@ class ExtractConfig:
     output: Path
     model: str | None = None                 # local HF dir; None = embedded tiny default
     backend: str = "auto"                    # auto = vllm when importable, else hf
-    layers: list[int] | None = None          # None = DFlash default for the model
+    layers: list[int] | str | None = None    # ids, a preset name (vx.data.layers), None = DFlash's default
     batch_size: int = 128                    # hf: max samples per forward
     max_batch_tokens: int = 65536            # hf: max padded tokens (batch x longest) per forward
     sort_window: int = 8192                  # hf: samples sorted by length together (bounded memory)
@@ -65,6 +65,10 @@ class ExtractConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
+        from vx.data.layers import PRESETS
+
+        if isinstance(self.layers, str) and self.layers not in PRESETS:
+            raise UsageError(f"--layers {self.layers!r} is not a preset ({', '.join(PRESETS)})")
         if str(self.output).startswith("s3://"):  # stage locally, mirror to S3
             if self.upload and self.upload != str(self.output):
                 raise UsageError("-o s3://... and --upload name two different targets")

@@ -5,13 +5,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import time
-from itertools import chain
 from dataclasses import asdict, dataclass, replace
+from itertools import chain
 from pathlib import Path
 from typing import Iterator
 
 from vx import __version__, faults
-from vx.data.layers import check_layer_ids, default_layer_ids
+from vx.data.layers import resolve_layer_ids
 from vx.data.model import load_tokenizer, model_info, resolve_model
 from vx.data.samples import BadLine, Sample, Tokenize, read_samples
 from vx.errors import UsageError, VxError
@@ -94,7 +94,7 @@ def prepare_job(cfg: ExtractConfig) -> Job:
         preflight(target, cfg.endpoint_url)
     model_dir = resolve_model(cfg.model)
     info = model_info(model_dir)
-    layer_ids = check_layer_ids(cfg.layers, info.num_layers) if cfg.layers else default_layer_ids(info.num_layers)
+    layer_ids = resolve_layer_ids(cfg.layers, info.num_layers)
     tokenizer = load_tokenizer(model_dir)
     source = cfg.source()
     tokenize = Tokenize(tokenizer, cfg.reading(), info.vocab_size)
