@@ -110,6 +110,8 @@ class VxTransfer(HiddenStatesTransfer):
 
         ds = open_dataset(self.source["output"])
         self._pos = [ds.layer_ids.index(k) for k in self.source["layer_ids"]]
+        if self._pos == list(range(len(ds.layer_ids))):  # every stored layer, in order: the mmap view itself
+            self._pos = slice(None)
         self._ids = load_from_disk(str(self.data_path)).with_format(None)["vx_id"]
         self._shard_of = {sid: s for s, rec in enumerate(ds.shards) for sid in rec["sample_ids"]}
         self._ds = ds
