@@ -39,12 +39,12 @@ def main() -> dict:
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
     import torch
+    from common import write_result
     from hs_connectors import FileTransfer
     from safetensors.torch import save_file
     from speculators.train.data import ArrowDataset
 
     import vx
-    from common import write_result
     from vx.train.speculators import VxTransfer
 
     with tempfile.TemporaryDirectory() as tmp:
