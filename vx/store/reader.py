@@ -95,7 +95,7 @@ class VxDataset(Dataset):
             self._open[s_idx] = (f, f.tensor("offsets"))
         return self._open[s_idx]
 
-    def __getitem__(self, key: int | str) -> dict:
+    def _rows(self, key: int | str):
         if isinstance(key, str):
             if key not in self._index:
                 raise KeyError(f"no sample with id {key!r}")
@@ -104,7 +104,15 @@ class VxDataset(Dataset):
             i = range(len(self))[key]
         s_idx, row = self._loc[i]
         shard, offsets = self._shard(s_idx)
-        a, b = int(offsets[row]), int(offsets[row + 1])
+        return i, shard, int(offsets[row]), int(offsets[row + 1])
+
+    def tokens(self, key: int | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids, loss_mask) of one sample, without touching its states."""
+        _, shard, a, b = self._rows(key)
+        return shard.tensor("input_ids")[a:b], shard.tensor("loss_mask")[a:b]
+
+    def __getitem__(self, key: int | str) -> dict:
+        i, shard, a, b = self._rows(key)
         return {
             "id": self.ids[i],
             "input_ids": shard.tensor("input_ids")[a:b],

@@ -24,6 +24,8 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+import tempfile
+import uuid
 from pathlib import Path
 
 import torch
@@ -66,24 +68,27 @@ def export(output: str | Path, dest: str | Path, target: list[int] | None = None
     ds = open_dataset(output)
     meta = ds.meta
     layers = speculators_layers(ds.layer_ids, int(meta["num_layers"]), target)
-    rows = {"vx_id": [], "input_ids": [], "loss_mask": [], "seq_len": []}
-    for rec in ds.shards:  # ids and masks only: the states are never read here
-        for sid in rec["sample_ids"]:
-            item = ds[sid]
-            rows["vx_id"].append(sid)
-            rows["input_ids"].append(item["input_ids"].tolist())
-            rows["loss_mask"].append(item["loss_mask"].tolist())
-            rows["seq_len"].append(len(item["input_ids"]))
+    count = {"rows": 0, "tokens": 0}
+
+    def rows():  # ids and masks only (the states are never read), streamed: memory stays bounded
+        for rec in ds.shards:
+            for sid in rec["sample_ids"]:
+                ids, mask = ds.tokens(sid)
+                count["rows"] += 1
+                count["tokens"] += len(ids)
+                yield {"vx_id": sid, "input_ids": ids.tolist(), "loss_mask": mask.tolist(), "seq_len": len(ids)}
+
     dest = Path(dest)
-    index = datasets.Dataset.from_dict(rows)
-    index.set_format("torch")
-    index.save_to_disk(str(dest))
+    with tempfile.TemporaryDirectory(dir=dest.parent if dest.parent.exists() else None) as cache:
+        index = datasets.Dataset.from_generator(rows, cache_dir=cache, fingerprint=uuid.uuid4().hex)
+        index.set_format("torch")
+        index.save_to_disk(str(dest))
     source = {"format": FORMAT, "output": str(Path(output).resolve()), "layer_ids": layers,
               "target_layer_ids": [k + 1 for k in layers[:-1]], "num_layers": int(meta["num_layers"]),
               "hidden_size": int(meta["hidden_size"]), "model": meta.get("model"),
               "store_dtype": meta.get("store_dtype")}
     (dest / SOURCE).write_text(json.dumps(source, indent=2) + "\n")
-    return dict(source, rows=len(rows["vx_id"]), tokens=sum(rows["seq_len"]))
+    return dict(source, **count)
 
 
 class VxTransfer(HiddenStatesTransfer):
