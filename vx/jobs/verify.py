@@ -8,12 +8,12 @@
 
 from __future__ import annotations
 
-import hashlib
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from vx.errors import UsageError
+from vx.store.format import sha256_file
 from vx.store.reader import open_dataset
 
 
@@ -41,14 +41,6 @@ class VerifyReport:
     @property
     def ok(self) -> bool:
         return not self.bad_shards and not self.duplicate_ids and all(r["ok"] for r in self.samples)
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def verify(out: str | Path, model: str | None = None, samples: int = 8, min_cosine: float | None = None,

@@ -115,6 +115,15 @@ def _buffers(head: bytes, tensors: dict[str, list[torch.Tensor]]):
 PART_RE = re.compile(r"^part-\d{5}-of-\d{5}$")
 
 
+def sha256_file(path: Path) -> str:
+    """The sha256 a manifest records for a shard file."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def part_dirs(root: Path) -> list[Path]:
     """Partition outputs under root (any partition count, e.g. an 8-way run resumed 4-way), sorted."""
     root = Path(root)

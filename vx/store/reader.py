@@ -95,16 +95,22 @@ class VxDataset(Dataset):
             self._open[s_idx] = (f, f.tensor("offsets"))
         return self._open[s_idx]
 
-    def _rows(self, key: int | str):
+    def _rows_index(self, key: int | str) -> int:
         if isinstance(key, str):
             if key not in self._index:
                 raise KeyError(f"no sample with id {key!r}")
-            i = self._index[key]
-        else:
-            i = range(len(self))[key]
+            return self._index[key]
+        return range(len(self))[key]
+
+    def _rows(self, key: int | str):
+        i = self._rows_index(key)
         s_idx, row = self._loc[i]
         shard, offsets = self._shard(s_idx)
         return i, shard, int(offsets[row]), int(offsets[row + 1])
+
+    def shard_of(self, key: int | str) -> int:
+        """The index in self.shards of the shard that holds a sample."""
+        return self._loc[self._rows_index(key)][0]
 
     def tokens(self, key: int | str) -> tuple[torch.Tensor, torch.Tensor]:
         """(input_ids, loss_mask) of one sample, without touching its states."""

@@ -21,7 +21,6 @@ speculators counts the embedding as layer 0 (its id j is HF `hidden_states[j]`),
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 import tempfile
@@ -31,6 +30,7 @@ from pathlib import Path
 import torch
 
 from vx.errors import UsageError, VxError
+from vx.store.format import sha256_file
 from vx.store.reader import open_dataset
 
 try:
@@ -118,18 +118,13 @@ class VxTransfer(HiddenStatesTransfer):
         if self._pos == list(range(len(ds.layer_ids))):  # every stored layer, in order: the mmap view itself
             self._pos = slice(None)
         self._ids = load_from_disk(str(self.data_path)).with_format(None)["vx_id"]
-        self._shard_of = {sid: s for s, rec in enumerate(ds.shards) for sid in rec["sample_ids"]}
         self._ds = ds
 
     def _checked(self, s: int) -> bool:
         """Whether shard s matches its manifest's sha256 (hashed once, on first use)."""
         if s not in self._shard_ok:
             rec = self._ds.shards[s]
-            h = hashlib.sha256()
-            with open(self._ds.path / rec["shard"], "rb") as f:
-                for block in iter(lambda: f.read(16 << 20), b""):
-                    h.update(block)
-            self._shard_ok[s] = h.hexdigest() == rec["sha256"]
+            self._shard_ok[s] = sha256_file(self._ds.path / rec["shard"]) == rec["sha256"]
             if not self._shard_ok[s]:
                 print(f"vx: {rec['shard']}: sha256 does not match the manifest; its "
                       f"{len(rec['sample_ids'])} samples are missing", file=sys.stderr)
@@ -138,7 +133,7 @@ class VxTransfer(HiddenStatesTransfer):
     def get_cached(self, file_idx: int) -> dict[str, torch.Tensor] | None:
         self._open()
         sid = self._ids[file_idx]
-        if not self._checked(self._shard_of[sid]):
+        if not self._checked(self._ds.shard_of(sid)):
             return None
         item = self._ds[sid]
         return {"hidden_states": item["hidden_states"][:, self._pos],  # [T, n, H], the verifier's last at -1
