@@ -2,7 +2,8 @@
 layer rules agree with vx's presets, its ArrowDataset reads rows through vx's backend equal to
 vx.open_dataset's, its collate function, DFlash model and loss train a drafter on CPU (the loop
 around them mirrors its Trainer, which needs a CUDA device), and a shard that fails its sha256 is
-handled by its --on-missing policy. No state is copied: the export holds ids and masks only."""
+handled by its --on-missing policy; the same from an S3 output (moto over HTTP), its shards read
+through a bounded, checked cache. No state is copied: the export holds ids and masks only."""
 
 import json
 import shutil
@@ -173,6 +174,121 @@ def test_a_shard_failing_its_sha256_is_missing_as_on_missing_says(exported, tmp_
     strict = ArrowDataset(max_len=4096, datapath=str(index), transfer=VxTransfer(index), on_missing="raise")
     with pytest.raises(RuntimeError, match="Failed to load hidden states"):
         strict[min(missing)]
+
+
+@pytest.fixture(scope="module")
+def s3_outputs(exported, tiny_model):
+    """The bf16 and fp8 outputs on an S3 endpoint (moto over HTTP), each exported from there."""
+    import os
+
+    from s3_faults import free_port
+    from test_s3 import CREDS, start_s3
+
+    os.environ.update(CREDS)
+    server, url, client = start_s3(free_port())
+    runs = {}
+    for dtype in ("bf16", "fp8"):
+        out = exported[dtype][0]
+        for f in sorted(out.iterdir()):
+            if f.is_file():
+                client.upload_file(str(f), "vx-out", f"{dtype}/{f.name}")
+        dest = out.parent / f"{dtype}-s3-index"
+        e = vx_cmd("export", f"s3://vx-out/{dtype}", "--endpoint-url", url, "--to", "speculators", "-o", str(dest),
+                   "--json")
+        assert e.returncode == 0, e.stderr[-2000:]
+        runs[dtype] = out, dest, json.loads(e.stdout)
+    yield url, client, runs
+    server.stop()
+
+
+def disk_bytes(d) -> int:
+    return sum(f.stat().st_size for f in d.rglob("*") if f.is_file()) if d.exists() else 0
+
+
+@pytest.mark.parametrize("mode", ["shards", "rows"])
+def test_from_s3_the_rows_are_the_same_and_the_disk_stays_bounded(s3_outputs, tmp_path, mode):
+    """shards: whole shards through the cache vx.loader uses, bounded; rows: ranged GETs of each
+    row's bytes, checked against its digest, no disk at all (what auto picks when the cache
+    cannot hold the output)."""
+    from speculators.train.data import ArrowDataset
+
+    from vx.train.speculators import VxTransfer
+
+    _, _, runs = s3_outputs
+    for dtype in ("bf16", "fp8"):
+        out, dest, info = runs[dtype]
+        assert info["output"] == f"s3://vx-out/{dtype}" and info["rows"] == 24 and info["refused"] == 0
+        assert not any(f.suffix == ".safetensors" for f in dest.rglob("*")), "the export copies no state"
+        ours = vx.open_dataset(out)
+        largest = max(r["bytes"] for r in ours.shards)
+        bound = 2 * largest  # two shards of the twelve: most rows need a fetch
+        cache = tmp_path / dtype
+        transfer = VxTransfer(dest, cache_dir=str(cache), cache_gb=bound / 1e9, s3_read="auto")
+        assert transfer.s3_read == "rows"  # the cache cannot hold the output
+        transfer = VxTransfer(dest, cache_dir=str(cache), cache_gb=bound / 1e9, s3_read=mode)
+        theirs = ArrowDataset(max_len=4096, datapath=str(dest), transfer=transfer, on_missing="raise")
+        ids = theirs.data.with_format(None)["vx_id"]
+        peak = 0
+        for i in (0, 23, 5, 11, 17, 2, 20, 8, 14, 1):  # across the shards, out of order
+            row, want = theirs[i], ours[ids[i]]
+            h = want["hidden_states"]
+            assert torch.equal(row["input_ids"], want["input_ids"].long())
+            assert torch.equal(row["hidden_states"], h[:, :5].flatten(1))
+            assert torch.equal(row["verifier_last_hidden_states"], h[:, 5])
+            peak = max(peak, disk_bytes(cache))
+        if mode == "shards":
+            assert 0 < peak <= bound + largest and transfer._shards.peak_bytes <= bound + largest, (peak, bound)
+        else:
+            states = sum(ours[ids[i]]["hidden_states"].numel() for i in (0, 23, 5, 11, 17, 2, 20, 8, 14, 1))
+            assert peak == 0 and transfer._rows.bytes_read < 1.2 * states * (2 if dtype == "bf16" else 1) + 2e5
+        transfer.close()
+
+
+def test_a_dflash_drafter_trains_from_an_s3_output(s3_outputs, tiny_model, tmp_path):
+    torch.manual_seed(0)
+    out, dest, _ = s3_outputs[2]["bf16"]
+    largest = max(r["bytes"] for r in vx.open_dataset(out).shards)
+    model, train, kwargs = dflash_parts(dest, tiny_model, "--vx-cache-dir", str(tmp_path), "--vx-s3-read", "shards",
+                                        "--vx-cache-gb", str(2 * largest / 1e9))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for batch in train:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss, _ = model(**batch, **kwargs)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert len(losses) >= 10 and all(torch.isfinite(torch.tensor(losses)))
+    assert train.dataset.transfer._shards.peak_bytes <= 3 * largest
+
+
+def test_a_corrupt_s3_shard_is_missing_as_on_missing_says(s3_outputs, tmp_path):
+    """Replaced after the export (found by the shard's sha256 or the rows' digests), or before it
+    (the export refuses the shard): exactly its samples are missing."""
+    from speculators.train.data import ArrowDataset
+    from speculators.train.recovery import SampleUnavailable
+
+    from vx.train.speculators import VxTransfer
+
+    url, client, runs = s3_outputs
+    out, dest, _ = runs["fp8"]
+    bad = vx.open_dataset(out).shards[3]
+    client.put_object(Bucket="vx-out", Key=f"fp8/{bad['shard']}", Body=b"not the shard the manifest names")
+    late = tmp_path / "late-index"
+    e = vx_cmd("export", "s3://vx-out/fp8", "--endpoint-url", url, "--to", "speculators", "-o", str(late), "--json")
+    assert e.returncode == 0 and json.loads(e.stdout)["refused"] == len(bad["sample_ids"]), e.stderr[:3000]
+    assert f"{bad['shard']}: sha256 does not match the manifest" in e.stderr
+    try:
+        for index, mode in ((dest, "shards"), (dest, "rows"), (late, "rows")):
+            transfer = VxTransfer(index, cache_dir=str(tmp_path / mode), s3_read=mode)
+            skip = ArrowDataset(max_len=4096, datapath=str(index), transfer=transfer, on_missing="skip")
+            ids = skip.data.with_format(None)["vx_id"]
+            missing = {ids[i] for i in range(len(skip)) if isinstance(skip[i], SampleUnavailable)}
+            assert missing == set(bad["sample_ids"]), (index, mode)
+            transfer.close()
+    finally:
+        client.upload_file(str(out / bad["shard"]), "vx-out", f"fp8/{bad['shard']}")
 
 
 def test_speculators_command_line_offers_the_vx_backend():

@@ -13,17 +13,21 @@ from vx.cli.app import app
 
 @app.command(no_args_is_help=True)
 def export(
-    output: Annotated[Path, typer.Argument(help="An extraction output directory.")],
+    output: Annotated[str, typer.Argument(help="An extraction output: a directory or s3://bucket/prefix.")],
     to: Annotated[str, typer.Option("--to", help="The trainer: speculators.")] = "speculators",
     dest: Annotated[Path, typer.Option("--output", "-o", help="Where the index goes (a new directory).")] = Path(
         "speculators-data"),
     target_layers: Annotated[Optional[str], typer.Option(
         help="vx layer ids the drafter targets (default: every stored layer but the last, N-1, which is the "
              "verifier's last hidden state and always handed out last).")] = None,
+    endpoint_url: Annotated[Optional[str], typer.Option(
+        help="S3-compatible endpoint for an s3:// output (kept in the index for the backend).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object.")] = False,
 ):
     """Index an output for speculators (`--to speculators`): its Arrow dataset (input_ids, loss_mask,
-    seq_len) and the file that points vx's hidden-states backend at OUTPUT. No state is copied.
+    seq_len) and the file that points vx's hidden-states backend at OUTPUT. No state is copied:
+    from S3, only each shard's ids and masks are read (ranged GETs), and training reads the states
+    through a bounded, sha256-checked cache (--vx-cache-gb, --vx-cache-dir).
 
     Train with speculators' own command, vx's backend registered:
 
@@ -37,6 +41,8 @@ def export(
       vx extract chats.jsonl -o out/ --model /models/Qwen3.6-27B --layers speculators-dflash
 
       vx export out/ --to speculators -o spec-data/
+
+      vx export s3://bucket/run1 --to speculators -o spec-data/
     """
     from vx.data.layers import parse_layer_ids
     from vx.errors import UsageError
@@ -48,9 +54,11 @@ def export(
     target = parse_layer_ids(target_layers)
     if isinstance(target, str):
         raise UsageError("--target-layers takes layer ids, not a preset")
-    from vx.train.speculators import export as run_export
+    from vx.train.speculators_index import export as run_export
 
-    r = run_export(output, dest, target)
+    if not output.startswith("s3://") and not Path(output).is_dir():
+        raise UsageError(f"{output} is not a directory")
+    r = run_export(output, dest, target, endpoint_url)
     if json_out:
         print(json.dumps(r))
         return

@@ -44,12 +44,15 @@ class ShardFile:
         self._base = 8 + n
 
     def tensor(self, name: str) -> torch.Tensor:
-        e = self.entries[name]
-        start, end = e["data_offsets"]
-        dtype = _TORCH_DTYPE[e["dtype"]]
-        raw = torch.frombuffer(self._mm, dtype=torch.uint8, count=end - start, offset=self._base + start) \
-            if end > start else torch.empty(0, dtype=torch.uint8)
-        return raw.view(dtype).reshape(e["shape"])
+        return tensor_at(self._mm, self._base, self.entries[name])
+
+
+def tensor_at(buf, base: int, entry: dict) -> torch.Tensor:
+    """The tensor a safetensors header entry describes, viewed in buf (its data starting at base)."""
+    start, end = entry["data_offsets"]
+    raw = torch.frombuffer(buf, dtype=torch.uint8, count=end - start, offset=base + start) \
+        if end > start else torch.empty(0, dtype=torch.uint8)
+    return raw.view(_TORCH_DTYPE[entry["dtype"]]).reshape(entry["shape"])
 
 
 class VxDataset(Dataset):

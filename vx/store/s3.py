@@ -130,3 +130,4 @@ def clear_remote(target: S3Target, endpoint_url: str | None) -> int:
     return len(names)
 
 
+

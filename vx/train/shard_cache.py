@@ -28,6 +28,10 @@ from vx.store.reader import ShardFile
 OPEN_FILES = 8  # mapped shards kept open per reader
 
 
+class ShardCorrupt(VxError):
+    """A shard whose bytes do not match its manifest's sha256: never read."""
+
+
 class ShardHeader:
     """A shard's tensor table and sample offsets, read once; rows are then read with pread straight
     into the caller's buffer (one copy from the page cache, no mapping faults). Compressed shards
@@ -125,8 +129,9 @@ class S3Shards(LocalShards):
 
         super().__init__(cache_dir, records)
         cache_dir.mkdir(parents=True, exist_ok=True)
-        for stale in cache_dir.glob(".fetch-*"):
-            stale.unlink()
+        for stale in cache_dir.iterdir():  # this reader's own cache: what an earlier run left is not counted
+            if stale.is_file():
+                stale.unlink()
         self.target, self.client = parse_s3_url(url), make_client(endpoint_url)
         self.transfer = TransferConfig(multipart_threshold=8 << 20, multipart_chunksize=8 << 20,
                                        max_concurrency=concurrency)
@@ -136,6 +141,7 @@ class S3Shards(LocalShards):
         self._ready: set[int] = set()                        # in the cache, checked
         self._used: OrderedDict[int, None] = OrderedDict()   # LRU of ready shards
         self._pending: dict[int, object] = {}
+        self._corrupt: dict[int, ShardCorrupt] = {}          # refused: get() raises for these alone
         self._k = 0                                          # the batch being assembled
         self._error: BaseException | None = None
         self._stop = False
@@ -170,6 +176,8 @@ class S3Shards(LocalShards):
                 while i not in self._ready:
                     if self._error is not None:
                         raise self._error
+                    if i in self._corrupt:
+                        raise self._corrupt[i]
                     if i not in self._pending:
                         self._start(i, wait_for_room=False)
                     self._cond.wait(0.1)
@@ -203,7 +211,8 @@ class S3Shards(LocalShards):
         """Start fetches for the shards the plan needs next, in order, at most `prefetch` at once."""
         with self._cond:
             while not self._stop and self._error is None:
-                ahead = [i for i in self.upcoming() if i not in self._ready and i not in self._pending]
+                ahead = [i for i in self.upcoming()
+                         if i not in self._ready and i not in self._pending and i not in self._corrupt]
                 if not ahead or len(self._pending) >= self.prefetch or not self._start(ahead[0], wait_for_room=True):
                     self._cond.wait(0.05)
 
@@ -219,8 +228,13 @@ class S3Shards(LocalShards):
                     digest.update(chunk)
             if digest.hexdigest() != rec["sha256"]:
                 os.unlink(tmp)
-                raise VxError(f"{self.target}/{rec['shard']}: sha256 does not match the manifest (a corrupt or "
-                              "replaced object); refusing to read it. Check the output with `vx verify`")
+                with self._cond:
+                    self._pending.pop(i, None)
+                    self._corrupt[i] = ShardCorrupt(
+                        f"{self.target}/{rec['shard']}: sha256 does not match the manifest (a corrupt or replaced "
+                        "object); refusing to read it. Check the output with `vx verify`")
+                    self._cond.notify_all()
+                return
             os.replace(tmp, self.path(i))
             with self._cond:
                 self._pending.pop(i, None)
