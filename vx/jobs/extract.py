@@ -140,6 +140,7 @@ def run_extract(cfg: ExtractConfig, progress: bool | None = None, reporter=None)
 def _extract_locked(cfg, job, out: Output, lines, elsewhere, progress, reporter, t0) -> Summary:
     meta, info, layer_ids = job.meta, job.info, job.layer_ids
     state = out.open(meta, cfg.overwrite)
+    out.begin_run()
     if out.staged:
         out.publish_meta()  # from now on the S3 prefix holds this extraction
     skip = frozenset(state.committed_ids | elsewhere)
@@ -202,6 +203,7 @@ def _extract_locked(cfg, job, out: Output, lines, elsewhere, progress, reporter,
         errors.close()
         bar.close()
     up = uploader.finish() if uploader is not None else {}
+    out.end_run()
     load_s, warmup_s, extract_s, n, tokens = stats
     return Summary(str(cfg.output), job.backend, n, tokens, errors.count, len(state.committed_ids),
                    shards, nbytes, load_s, warmup_s, extract_s, str(out.target) if out.target else None,

@@ -152,3 +152,10 @@ def read_manifest(out_dir: Path) -> list[dict]:
 
 
 PLAN_DIR = ".vx-plan"
+
+# Written by a run (the whole output, or one partition of it) when every one of its rows is
+# committed or rejected: {"shards": K} (its manifest's K records are final). Removed when a run
+# starts. A follow reader (vx.loader(..., follow=True)) ends the stream on it.
+END = "end.json"
+READERS = ".vx-readers"     # follow readers' consumption records: rank-R-of-W.json
+DROPPED = "dropped.jsonl"   # shards deleted by --retain-gb once consumed: one {"shard": name} per line

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from vx.errors import UsageError
 from vx.store.format import (
+    END,
     ERRORS,
     MANIFEST,
     RUN_META,
@@ -175,6 +176,24 @@ class Output:
     def open(self, meta: dict, overwrite: bool) -> ResumeState:
         return prepare_output(self.local, meta, overwrite)
 
+    def begin_run(self) -> None:
+        """A run starts writing here: the output is not complete any more (until end_run)."""
+        (self.local / END).unlink(missing_ok=True)
+        if self.target is not None:
+            from vx.s3_client import make_client
+
+            make_client(self.endpoint_url).delete_object(Bucket=self.target.bucket, Key=self.target.key(END))
+
+    def end_run(self) -> None:
+        """Every row of this run is committed or rejected (and, with S3, uploaded): mark the end."""
+        tmp = self.local / f"{END}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps({"shards": len(read_manifest(self.local))}) + "\n")
+        os.replace(tmp, self.local / END)
+        if self.target is not None:
+            from vx.store.s3 import put_file
+
+            put_file(self.target, self.endpoint_url, self.local / END, END)
+
     def uploader(self, keep_local: bool, max_local_bytes: int | None):
         if self.target is None:
             return None
@@ -235,7 +254,7 @@ def prepare_output(out: Path, meta: dict, overwrite: bool) -> ResumeState:
     if holder:
         raise UsageError(f"{out} is still being written by {holder}; stop that process first")
     if overwrite and out.exists():
-        for name in [MANIFEST, ERRORS, RUN_META]:
+        for name in [MANIFEST, ERRORS, RUN_META, END]:
             (out / name).unlink(missing_ok=True)
         for f in out.glob("shard-*.safetensors*"):
             f.unlink()

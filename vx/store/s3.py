@@ -9,7 +9,7 @@ from pathlib import Path
 
 from vx.errors import UsageError
 from vx.s3_client import S3Target, make_client
-from vx.store.format import ERRORS, MANIFEST, RUN_META
+from vx.store.format import END, ERRORS, MANIFEST, RUN_META
 
 
 def preflight(target: S3Target, endpoint_url: str | None) -> None:
@@ -100,7 +100,7 @@ def layout_names(client, target: S3Target):
         for obj in page.get("Contents", []):
             name = obj["Key"][len(target.key("")):]
             head, _, base = name.rpartition("/")
-            if (not head or PART_RE.match(head)) and (base.startswith("shard-") or base in (MANIFEST, ERRORS, RUN_META)):
+            if (not head or PART_RE.match(head)) and (base.startswith("shard-") or base in (MANIFEST, ERRORS, RUN_META, END)):
                 yield obj["Key"], name
 
 

@@ -21,15 +21,21 @@ from vx.store.format import MANIFEST, RUN_META, output_dirs, read_manifest
 class Catalog:
     """Every committed sample of an output (root and partitions), from its manifests."""
 
-    def __init__(self, path: str, endpoint_url: str | None = None):
+    def __init__(self, path: str, endpoint_url: str | None = None, records: list[dict] | None = None,
+                 meta: dict | None = None, shard_base: int = 0):
+        """From the output's manifests, or (follow) from `records` already read, whose first is
+        shard `shard_base` of the reader's shard table."""
         self.path, self.endpoint_url = str(path), endpoint_url
         self.remote = self.path.startswith("s3://")
-        records = self._remote() if self.remote else self._local()
+        if records is None:
+            records = self._remote() if self.remote else self._local()
+        else:
+            self.meta = meta
         counts = np.array([len(r["sample_ids"]) for r in records], dtype=np.int64)
         self.start = np.zeros(len(records) + 1, dtype=np.int64)   # [S + 1] first sample of each shard
         self.start[1:] = np.cumsum(counts)
         n = int(self.start[-1])
-        self.shard_of = np.repeat(np.arange(len(records), dtype=np.int32), counts)  # [N]
+        self.shard_of = np.repeat(np.arange(shard_base, shard_base + len(records), dtype=np.int32), counts)  # [N]
         self.row = (np.arange(n, dtype=np.int64) - np.repeat(self.start[:-1], counts)).astype(np.int32)
         self.tokens = np.zeros(n, dtype=np.int32)
         blobs = []
@@ -105,6 +111,18 @@ def plan_epoch(catalog: Catalog, tokens_per_batch: int, world_size: int, seed: i
         idx = np.concatenate([np.arange(catalog.start[s], catalog.start[s + 1]) for s in order[w:w + shuffle_shards]])
         parts.append(idx[rng.permutation(len(idx))] if shuffle else idx)
     seq = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    batches = even_out(pack(seq, catalog.tokens, tokens_per_batch), catalog.tokens, world_size)
+    return [batches[r::world_size] for r in range(world_size)]
+
+
+def plan_window(catalog: Catalog, tokens_per_batch: int, world_size: int, seed: int, epoch: int, window: int,
+                shuffle: bool = True) -> list[list[Batch]]:
+    """Every rank's batches from one window of a growing output (follow): its samples shuffled,
+    packed, evened out and dealt as plan_epoch does over a whole epoch."""
+    rng = np.random.default_rng([seed, epoch, window])
+    seq = np.arange(catalog.num_samples)
+    if shuffle:
+        seq = seq[rng.permutation(len(seq))]
     batches = even_out(pack(seq, catalog.tokens, tokens_per_batch), catalog.tokens, world_size)
     return [batches[r::world_size] for r in range(world_size)]
 

@@ -34,31 +34,51 @@ class Loader(IterableDataset):
     def __init__(self, path, tokens_per_batch: int, rank: int = 0, world_size: int = 1, seed: int = 0,
                  epoch: int = 0, shuffle: bool = True, shuffle_shards: int = 8, flatten_layers: bool = False,
                  device: str | torch.device | None = None, cache_dir: str | None = None, cache_gb: float = 20.0,
-                 prefetch: int = 4, concurrency: int = 8, endpoint_url: str | None = None):
+                 prefetch: int = 4, concurrency: int = 8, endpoint_url: str | None = None, follow: bool = False,
+                 follow_timeout: float = 1800.0):
         if tokens_per_batch < 1:
             raise ValueError(f"tokens_per_batch must be >= 1, got {tokens_per_batch}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
         if cache_gb <= 0 or shuffle_shards < 1:
             raise ValueError("cache_gb must be > 0 and shuffle_shards >= 1")
+        if follow_timeout <= 0:
+            raise ValueError(f"follow_timeout must be > 0 s, got {follow_timeout}")
         self.path, self.tokens_per_batch, self.rank, self.world_size = str(path), tokens_per_batch, rank, world_size
         self.seed, self.epoch, self.position, self.shuffle, self.shuffle_shards = seed, epoch, 0, shuffle, shuffle_shards
         self.flatten_layers, self.device = flatten_layers, torch.device(device) if device is not None else None
         self.cache_dir, self.cache_bytes, self.prefetch, self.concurrency = cache_dir, int(cache_gb * 1e9), prefetch, concurrency
-        self.endpoint_url = endpoint_url
-        self.catalog = Catalog(self.path, endpoint_url)
+        self.endpoint_url, self.follow, self.follow_timeout = endpoint_url, follow, follow_timeout
+        # follow: the first epoch is read window by window while the output grows (vx/train/follow.py);
+        # later epochs read it as a finished output, so the catalog is made when one starts
+        self.catalog = None if follow else Catalog(self.path, endpoint_url)
+        self._follow = None
         self._plan_key, self._plan = None, None
         self._pool = BufferPool()
 
     @property
     def meta(self) -> dict:
+        if self.catalog is None:
+            return self._following().meta_now()
         return self.catalog.meta
+
+    def _following(self):
+        if self._follow is None:
+            from vx.train.follow import Follow
+
+            self._follow = Follow(self)
+        return self._follow
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch, self.position = epoch, 0
 
     def batches(self) -> list[Batch]:
-        """This rank's plan for the current epoch (metadata only)."""
+        """This rank's plan for the current epoch (metadata only); in follow mode the first epoch's
+        is known once the extraction is complete (it waits)."""
+        if self.follow and self.epoch == 0:
+            return self._following().all_batches()
+        if self.catalog is None:
+            self.catalog = self._following().finished_catalog()
         key = (self.seed, self.epoch)
         if self._plan_key != key:
             self._plan = plan_epoch(self.catalog, self.tokens_per_batch, self.world_size, self.seed,
@@ -67,15 +87,18 @@ class Loader(IterableDataset):
         return self._plan
 
     def __len__(self) -> int:
+        if self.follow and self.epoch == 0 and not self._following().complete():
+            raise TypeError("a follow loader's first epoch has no length until the extraction completes")
         return len(self.batches())
 
     def state_dict(self) -> dict:
         return {"seed": self.seed, "epoch": self.epoch, "position": self.position, "rank": self.rank,
                 "world_size": self.world_size, "tokens_per_batch": self.tokens_per_batch,
-                "num_samples": self.catalog.num_samples}
+                "num_samples": self.catalog.num_samples if self.catalog is not None else None,
+                "follow": self.follow, "shuffle_shards": self.shuffle_shards}
 
     def load_state_dict(self, state: dict) -> None:
-        for k in ("seed", "world_size", "tokens_per_batch"):
+        for k in ("seed", "world_size", "tokens_per_batch") + (("shuffle_shards",) if self.follow else ()):
             if state.get(k, getattr(self, k)) != getattr(self, k):
                 raise ValueError(f"state has {k}={state[k]}, this loader {getattr(self, k)}: not the same plan")
         self.epoch, self.position = state["epoch"], state["position"]
@@ -83,21 +106,41 @@ class Loader(IterableDataset):
     def __iter__(self):
         from vx.train.shard_cache import open_shards
 
+        if self.follow and self.epoch == 0:
+            yield from self._following().iterate()
+            return
         plan = self.batches()
         info = get_worker_info()
         step = info.num_workers if info else 1
         mine = list(range(self.position + (info.id if info else 0), len(plan), step))
         wid = info.id if info else 0
-        with open_shards(self, [plan[j] for j in mine], f"r{self.rank}-w{wid}") as shards:
+        cat = self.catalog
+        shard_plan = [list(dict.fromkeys(cat.shard_of[plan[j].samples].tolist())) for j in mine]
+        with open_shards(self, f"r{self.rank}-w{wid}", cat.shards, shard_plan) as shards:
             for k, j in enumerate(mine):
                 shards.begin(k)
-                batch = self._assemble(plan[j], shards)
+                batch = self._assemble(cat, plan[j], shards)
                 if info is None:
                     self.position = j + 1
                 yield batch
 
-    def _assemble(self, batch: Batch, shards) -> dict:
-        cat, idx = self.catalog, batch.samples
+    def __getstate__(self):  # DataLoader workers: a follow reader and a pass's shard source are per process
+        state = self.__dict__.copy()
+        state["_follow"] = None
+        state.pop("shards", None)
+        return state
+
+    def commit(self, state: dict | None = None) -> None:
+        """Record, beside the output, that this rank consumed every batch before `state` (the
+        state_dict() saved in your checkpoint; default: now). `vx extract --retain-gb` deletes a
+        shard once every rank has committed past it, so commit after the checkpoint is durable."""
+        if not self.follow:
+            raise ValueError("commit() records what a follow reader consumed (for vx extract --retain-gb): "
+                             "make the loader with follow=True")
+        self._following().commit(state or self.state_dict())
+
+    def _assemble(self, cat, batch: Batch, shards) -> dict:
+        idx = batch.samples
         heads = [shards.get(int(s)) for s in cat.shard_of[idx]]
         rows = cat.row[idx].tolist()
         lengths = torch.from_numpy(cat.tokens[idx].astype("int32"))

@@ -259,16 +259,16 @@ class S3Shards(LocalShards):
 
 
 @contextlib.contextmanager
-def open_shards(loader, batches: list, tag: str):
-    """The shard source for one pass of a Loader over `batches` (this reader's share)."""
-    cat = loader.catalog
-    if not cat.remote:
-        src = LocalShards(Path(cat.path), cat.shards)
+def open_shards(loader, tag: str, records: list[dict], plan: list[list[int]]):
+    """The shard source for one pass of a Loader: `records` is its shard table (a follow pass
+    appends to it), `plan` the shards of each batch this reader will assemble, in order (the S3
+    cache fetches ahead along it; a follow pass appends to it too)."""
+    if not loader.path.startswith("s3://"):
+        src = LocalShards(Path(loader.path), records)
     else:
-        plan = [list(dict.fromkeys(cat.shard_of[b.samples].tolist())) for b in batches]
         base = Path(loader.cache_dir) if loader.cache_dir else Path(tempfile.gettempdir()) / "vx-loader-cache"
-        key = hashlib.sha256(cat.path.encode()).hexdigest()[:12]
-        src = S3Shards(cat.path, cat.endpoint_url, cat.shards, base / key / tag, loader.cache_bytes, plan,
+        key = hashlib.sha256(loader.path.encode()).hexdigest()[:12]
+        src = S3Shards(loader.path, loader.endpoint_url, records, base / key / tag, loader.cache_bytes, plan,
                        loader.prefetch, loader.concurrency)
     loader.shards = src  # for inspection (peak_bytes) after or during a pass
     # A pass left before its end (a trainer stopping at its max steps) is closed at interpreter
