@@ -44,6 +44,7 @@ def extract(
     endpoint_url: Annotated[Optional[str], typer.Option(help="S3-compatible endpoint URL (credentials: the standard AWS chain).")] = None,
     max_local_gb: Annotated[Optional[float], typer.Option(help="Bound local shard bytes; extraction waits for uploads (backpressure).")] = None,
     keep_local: Annotated[bool, typer.Option(help="Keep local shards after they are uploaded and verified.")] = False,
+    retain_gb: Annotated[Optional[float], typer.Option(help="Train while extracting with bounded storage: delete shards once every vx.loader(follow=True) rank has committed them, and wait while unconsumed shards would exceed this many GB (local and S3).")] = None,
     compress: Annotated[Optional[str], typer.Option(help="zstd: compress each shard file (~20% smaller in bf16; the reader decompresses into memory, no mmap).")] = None,
     data_parallel_size: Annotated[int, typer.Option("--data-parallel-size", "--dp", help="Engines on this node, one per GPU group of --tensor-parallel-size (on CPU: each on its share of the cores), over token-balanced partitions.")] = 1,
     gpus: Annotated[Optional[str], typer.Option(help="GPU ids for the engines, e.g. 0,1,2,3 (with --tensor-parallel-size 2: 2 engines of 2 GPUs).")] = None,
@@ -87,7 +88,7 @@ def extract(
         overwrite=overwrite, device=device, max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs, max_model_len=max_model_len, verify=verify, gpu_memory_utilization=gpu_memory_utilization,
         tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager, upload=upload,
-        endpoint_url=endpoint_url, max_local_gb=max_local_gb, keep_local=keep_local, compress=compress,
+        endpoint_url=endpoint_url, max_local_gb=max_local_gb, keep_local=keep_local, retain_gb=retain_gb, compress=compress,
         data_parallel_size=data_parallel_size, gpus=parse_gpus(gpus), num_partitions=num_partitions,
         partition_index=partition_index, ray=ray, ray_address=ray_address, max_retries=max_retries,
     )

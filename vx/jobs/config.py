@@ -50,6 +50,7 @@ class ExtractConfig:
     endpoint_url: str | None = None          # S3-compatible endpoint
     max_local_gb: float | None = None        # local shard bytes bound (backpressure)
     keep_local: bool = False
+    retain_gb: float | None = None           # follow readers: delete consumed shards, hold at most this many GB
     compress: str | None = None              # None or "zstd": whole-shard compression
     # scale-out
     data_parallel_size: int = 1              # engines on this node, one per GPU group (CPU: per core group)
@@ -86,6 +87,10 @@ class ExtractConfig:
             raise UsageError(f"--compress must be zstd (or omitted), got {self.compress!r}")
         if self.max_local_gb is not None and self.max_local_gb <= 0:
             raise UsageError(f"--max-local-gb must be > 0, got {self.max_local_gb}")
+        if self.retain_gb is not None and self.retain_gb <= 0:
+            raise UsageError(f"--retain-gb must be > 0, got {self.retain_gb}")
+        if self.retain_gb is not None and self.keep_local:
+            raise UsageError("--retain-gb deletes consumed shards, --keep-local keeps them: give one")
         self.data, self.output = str(self.data), Path(self.output)
         if not self.data.startswith("s3://"):
             self.source()  # a missing file, an empty glob or directory: refused before anything starts

@@ -134,10 +134,19 @@ def run_extract(cfg: ExtractConfig, progress: bool | None = None, reporter=None)
     out.reset_or_sync(cfg.overwrite)
     elsewhere = root.committed_elsewhere(exclude=out)  # other partitions, of this run or an earlier one
     with out.lock():
-        return _extract_locked(cfg, job, out, lines, elsewhere, progress, reporter, t0)
+        return _extract_locked(cfg, job, out, lines, elsewhere, progress, reporter, t0, root)
 
 
-def _extract_locked(cfg, job, out: Output, lines, elsewhere, progress, reporter, t0) -> Summary:
+def _retainer(cfg: ExtractConfig, out: Output, root: Output, budget: int):
+    """--retain-gb: the thread that deletes this writer's consumed shards (vx/store/retention.py)."""
+    from vx.store.retention import Retainer
+
+    part = out.local.name if out is not root else ""
+    where = str(root.target) if root.target is not None else str(root.local)
+    return Retainer(where, cfg.endpoint_url, part, out.local, budget).start()
+
+
+def _extract_locked(cfg, job, out: Output, lines, elsewhere, progress, reporter, t0, root=None) -> Summary:
     meta, info, layer_ids = job.meta, job.info, job.layer_ids
     state = out.open(meta, cfg.overwrite)
     out.begin_run()
@@ -146,10 +155,14 @@ def _extract_locked(cfg, job, out: Output, lines, elsewhere, progress, reporter,
     skip = frozenset(state.committed_ids | elsewhere)
     shard_meta = {k: json.dumps(v) if isinstance(v, list) else str(v) for k, v in meta.items()}
     max_local = int(cfg.max_local_gb * 1e9) if cfg.max_local_gb else None
+    retain = int(cfg.retain_gb * 1e9 / (cfg.num_partitions if cfg.partitioned else 1)) if cfg.retain_gb else None
+    if retain is not None:  # the writer's local backpressure is the bound: consumed shards leave both copies
+        max_local = min(max_local or retain, retain)
     shard_args = (shard_meta, int(cfg.shard_size_mb * 1e6), state.next_shard, info.hidden_size, cfg.store_dtype,
                   max_local, cfg.compress)
     errors = ErrorLog(cfg.output)
-    uploader = out.uploader(cfg.keep_local, max_local)
+    uploader = out.uploader(cfg.keep_local or retain is not None, max_local)
+    retainer = _retainer(cfg, out, root or out, retain) if retain is not None else None
     total = len(lines) if lines is not None else job.source.count()
     total = None if total is None else max(0, total - len(state.committed_ids))
     bar = reporter if reporter is not None else RunProgress(total, enabled=progress)
@@ -198,12 +211,16 @@ def _extract_locked(cfg, job, out: Output, lines, elsewhere, progress, reporter,
                 uploader.finish()
             except Exception:
                 pass
+        if retainer is not None:
+            retainer.stop(raise_error=False)
         raise
     finally:
         errors.close()
         bar.close()
     up = uploader.finish() if uploader is not None else {}
     out.end_run()
+    if retainer is not None:  # readers finish the stream after the end; what they consume now stays
+        retainer.stop()
     load_s, warmup_s, extract_s, n, tokens = stats
     return Summary(str(cfg.output), job.backend, n, tokens, errors.count, len(state.committed_ids),
                    shards, nbytes, load_s, warmup_s, extract_s, str(out.target) if out.target else None,

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from vx.errors import UsageError
 from vx.store.format import (
+    DROPPED,
     END,
     ERRORS,
     MANIFEST,
@@ -118,9 +119,10 @@ class Output:
         if overwrite:
             for d in part_dirs(self.local):
                 shutil.rmtree(d)
-            from vx.store.format import PLAN_DIR
+            from vx.store.format import PLAN_DIR, READERS
 
             shutil.rmtree(self.local / PLAN_DIR, ignore_errors=True)
+            shutil.rmtree(self.local / READERS, ignore_errors=True)  # a new stream: earlier readers' records go
 
     def sync_from_remote(self) -> None:
         """A machine without local state fetches the S3 manifest and vx.json, to resume from them.
@@ -128,6 +130,7 @@ class Output:
         line on stderr), and committed shards that are neither staged nor in S3 are redone."""
         from vx.store.s3 import (
             fetch_remote_state,
+            remote_dropped,
             remote_has_extraction,
             remote_manifest,
         )
@@ -140,6 +143,7 @@ class Output:
         if fetch_remote_state(self.target, self.endpoint_url, self.local) or not self.staged:
             return
         remote = {r["shard"] for r in remote_manifest(self.target, self.endpoint_url)}
+        remote |= remote_dropped(self.target, self.endpoint_url)  # deleted once consumed: still committed
         records = read_manifest(self.local)
         keep = [r for r in records if r["shard"] in remote or (self.local / r["shard"]).exists()]
         if len(keep) < len(records):
@@ -254,7 +258,7 @@ def prepare_output(out: Path, meta: dict, overwrite: bool) -> ResumeState:
     if holder:
         raise UsageError(f"{out} is still being written by {holder}; stop that process first")
     if overwrite and out.exists():
-        for name in [MANIFEST, ERRORS, RUN_META, END]:
+        for name in [MANIFEST, ERRORS, RUN_META, END, DROPPED]:
             (out / name).unlink(missing_ok=True)
         for f in out.glob("shard-*.safetensors*"):
             f.unlink()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from vx.errors import UsageError
 from vx.s3_client import S3Target, make_client
-from vx.store.format import END, ERRORS, MANIFEST, RUN_META
+from vx.store.format import DROPPED, END, ERRORS, MANIFEST, READERS, RUN_META
 
 
 def preflight(target: S3Target, endpoint_url: str | None) -> None:
@@ -87,6 +87,17 @@ def remote_manifest(target: S3Target, endpoint_url: str | None, client=None) -> 
     return [json.loads(line) for line in body.decode().splitlines() if line.strip()]
 
 
+def remote_dropped(target: S3Target, endpoint_url: str | None) -> set[str]:
+    """Shards of the manifest at target that --retain-gb deleted once consumed (dropped.jsonl)."""
+    from botocore.exceptions import ClientError
+
+    try:
+        body = make_client(endpoint_url).get_object(Bucket=target.bucket, Key=target.key(DROPPED))["Body"].read()
+    except ClientError:
+        return set()
+    return {json.loads(line)["shard"] for line in body.decode().splitlines() if line.strip()}
+
+
 def remote_has_extraction(target: S3Target, endpoint_url: str | None) -> bool:
     """Whether any vx file (vx.json, a manifest, a shard; root or partitions) is under target."""
     return next(layout_names(make_client(endpoint_url), target), None) is not None
@@ -100,7 +111,10 @@ def layout_names(client, target: S3Target):
         for obj in page.get("Contents", []):
             name = obj["Key"][len(target.key("")):]
             head, _, base = name.rpartition("/")
-            if (not head or PART_RE.match(head)) and (base.startswith("shard-") or base in (MANIFEST, ERRORS, RUN_META, END)):
+            if (not head or PART_RE.match(head)) and (base.startswith("shard-") or base in (MANIFEST, ERRORS, RUN_META,
+                                                                                            END, DROPPED)):
+                yield obj["Key"], name
+            elif head == READERS:  # follow readers' records: --overwrite starts a new stream
                 yield obj["Key"], name
 
 
