@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -146,7 +147,7 @@ def main() -> None:
             losses.append(loss.item())
             step += 1
             if trace is not None:
-                trace.write(json.dumps({"rank": rank, "step": step, "epoch": epoch, "padding": batch["padding"],
+                trace.write(json.dumps({"rank": rank, "step": step, "epoch": epoch, "time": time.time(), "padding": batch["padding"],
                                         "sample_ids": batch["sample_ids"]}) + "\n")
                 trace.flush()
             if ckpt is not None and step % args.every == 0:

@@ -55,4 +55,30 @@ def inspect(
             "layer_ids": ds.layer_ids, "hidden_size": ds.meta.get("hidden_size"),
             "store_dtype": ds.meta.get("store_dtype"), "model": ds.meta.get("model"), "errors": n_err,
             "partitions": len(part_dirs(output))}
+    info.update(_stream_state(output, {r["shard"]: r["bytes"] for r in ds.shards}))
     print(json.dumps(info) if json_out else "\n".join(f"{k:16} {v}" for k, v in info.items()))
+
+
+def _stream_state(output: Path, sizes: dict) -> dict:
+    """Whether the extraction has ended, and for follow readers (--retain-gb) what each rank
+    consumed and what was dropped."""
+    from vx.errors import UsageError
+    from vx.store.retention import consumed_by_all, reader_records
+    from vx.store.stream import Stream
+
+    st = Stream(str(output))
+    try:
+        st.refresh()
+    except UsageError:  # partitionings mixed by a resumed run: no single stream order
+        return {"complete": None}
+    info = {"complete": st.complete}
+    readers = reader_records(st)
+    if readers:
+        upto, who = consumed_by_all(readers)
+        info["readers"] = {f"rank {r['rank']} of {r['world_size']}": f"{r['consumed']} of {len(st)} shards consumed "
+                           f"(epoch {r['epoch']}, batch {r['position']})" for r in sorted(readers, key=lambda r: r["rank"])}
+        info["consumed_by_all"] = f"{upto} shards ({who})"
+    dropped = st.dropped()
+    if dropped:
+        info["dropped"] = f"{len(dropped)} shards, {sum(sizes.get(n, 0) for n in dropped) / 1e9:.3f} GB (--retain-gb)"
+    return info
