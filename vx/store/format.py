@@ -151,6 +151,28 @@ def read_manifest(out_dir: Path) -> list[dict]:
     return records
 
 
+def write_manifest(path: Path, records: list[dict]) -> None:
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def repair_manifest(path: Path) -> None:
+    """Drop a torn last line (a crash mid-append) so new records start on a fresh line."""
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        keep = data[: data.rfind(b"\n") + 1]
+        with open(path, "wb") as f:
+            f.write(keep)
+            f.flush()
+            os.fsync(f.fileno())
+
+
 PLAN_DIR = ".vx-plan"
 
 # Written by a run (the whole output, or one partition of it) when every one of its rows is

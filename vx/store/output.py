@@ -29,6 +29,8 @@ from vx.store.format import (
     output_dirs,
     part_dirs,
     read_manifest,
+    repair_manifest,
+    write_manifest,
 )
 from vx.store.writer import live_writer, try_lock
 
@@ -150,7 +152,7 @@ class Output:
             lost = sum(len(r["sample_ids"]) for r in records) - sum(len(r["sample_ids"]) for r in keep)
             print(f"vx: {len(records) - len(keep)} committed shards are neither staged nor in {self.target}; "
                   f"their {lost} samples will be redone", file=sys.stderr)
-            _write_manifest(self.local / MANIFEST, keep)
+            write_manifest(self.local / MANIFEST, keep)
 
     def prepare_root(self, meta: dict, overwrite: bool) -> None:
         """Launchers, once before their workers start: --overwrite, identity, root vx.json."""
@@ -225,15 +227,6 @@ def write_meta(out: Path, meta: dict) -> None:
     os.replace(tmp, Path(out) / RUN_META)
 
 
-def _write_manifest(path: Path, records: list[dict]) -> None:
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in records)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 @contextlib.contextmanager
 def output_lock(out: Path):
     """One writer per output directory (per partition directory): a second `vx extract` on the
@@ -270,7 +263,7 @@ def prepare_output(out: Path, meta: dict, overwrite: bool) -> ResumeState:
         raise UsageError(f"{out} holds shards but no {RUN_META}; refusing to mix runs (use --overwrite)")
     for tmp in out.glob(".shard-*.tmp"):
         tmp.unlink()
-    _repair_manifest(out / MANIFEST)
+    repair_manifest(out / MANIFEST)
     records = read_manifest(out)
     committed = {sid for r in records for sid in r["sample_ids"]}
     listed = {r["shard"] for r in records}
@@ -280,19 +273,6 @@ def prepare_output(out: Path, meta: dict, overwrite: bool) -> ResumeState:
     next_shard = 1 + max((int(r["shard"][6:11]) for r in records), default=-1)
     write_meta(out, meta)
     return ResumeState(committed, next_shard, sum(r["num_tokens"] for r in records))
-
-
-def _repair_manifest(path: Path) -> None:
-    """Drop a torn last line (a crash mid-append) so new records start on a fresh line."""
-    if not path.exists():
-        return
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        keep = data[: data.rfind(b"\n") + 1]
-        with open(path, "wb") as f:
-            f.write(keep)
-            f.flush()
-            os.fsync(f.fileno())
 
 
 class ErrorLog:
