@@ -99,6 +99,22 @@ def test_a_rank_ahead_waits_then_names_the_shard_it_waits_for(growing, tmp_path)
     assert time.monotonic() - t0 < 30
 
 
+def test_a_retain_bound_smaller_than_a_window_is_named_instead_of_a_silent_deadlock(tmp_path, tiny_model):
+    data = write_jsonl(tmp_path / "d.jsonl", chats(200))
+    ex = run_bg([sys.executable, "-m", "vx", "extract", str(data), "-o", str(tmp_path / "out"), "--backend", "hf",
+                 "--layers", LAYERS, "--shard-size", "0.03", "--retain-gb", "0.0003"], dict(os.environ),
+                tmp_path / "extract.log")
+    try:
+        with pytest.raises(vx.errors.UsageError, match=r"--retain-gb 0.0003 lets each of its 1 writers hold .* "
+                                                       r"raise --retain-gb, lower shuffle_shards"):
+            list(vx.loader(str(tmp_path / "out"), 400, follow=True, shuffle_shards=40, follow_timeout=8))
+        assert ex.poll() is None  # the extraction waits for readers: nothing unconsumed was deleted
+        assert not (tmp_path / "out" / "dropped.jsonl").exists()
+    finally:
+        os.killpg(ex.pid, signal.SIGKILL)
+        ex.wait()
+
+
 def run_bg(args, env, log):
     return subprocess.Popen(args, cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)

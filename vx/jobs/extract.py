@@ -17,7 +17,7 @@ from vx.data.samples import BadLine, Sample, Tokenize, read_samples
 from vx.errors import UsageError, VxError
 from vx.jobs.config import ExtractConfig
 from vx.progress import RunProgress
-from vx.store.format import ERRORS
+from vx.store.format import ERRORS, RETAIN
 from vx.store.output import ErrorLog, Output
 from vx.store.writer import ShardWriter
 
@@ -143,6 +143,7 @@ def _retainer(cfg: ExtractConfig, out: Output, root: Output, budget: int):
 
     part = out.local.name if out is not root else ""
     where = str(root.target) if root.target is not None else str(root.local)
+    root.put_small(RETAIN, {"retain_gb": cfg.retain_gb, "writers": cfg.num_partitions if cfg.partitioned else 1})
     return Retainer(where, cfg.endpoint_url, part, out.local, budget).start()
 
 

@@ -181,3 +181,4 @@ PLAN_DIR = ".vx-plan"
 END = "end.json"
 READERS = ".vx-readers"     # follow readers' consumption records: rank-R-of-W.json
 DROPPED = "dropped.jsonl"   # shards deleted by --retain-gb once consumed: one {"shard": name} per line
+RETAIN = "retain.json"      # at the root while --retain-gb holds: {"retain_gb": G, "writers": P}

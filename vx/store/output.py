@@ -192,13 +192,18 @@ class Output:
 
     def end_run(self) -> None:
         """Every row of this run is committed or rejected (and, with S3, uploaded): mark the end."""
-        tmp = self.local / f"{END}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps({"shards": len(read_manifest(self.local))}) + "\n")
-        os.replace(tmp, self.local / END)
+        self.put_small(END, {"shards": len(read_manifest(self.local))})
+
+    def put_small(self, name: str, record: dict) -> None:
+        """A small JSON file of this output, written atomically here and put to S3."""
+        self.local.mkdir(parents=True, exist_ok=True)
+        tmp = self.local / f"{name}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(record) + "\n")
+        os.replace(tmp, self.local / name)
         if self.target is not None:
             from vx.store.s3 import put_file
 
-            put_file(self.target, self.endpoint_url, self.local / END, END)
+            put_file(self.target, self.endpoint_url, self.local / name, name)
 
     def uploader(self, keep_local: bool, max_local_bytes: int | None):
         if self.target is None:

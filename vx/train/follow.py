@@ -26,7 +26,7 @@ from pathlib import Path
 from torch.utils.data import get_worker_info
 
 from vx.errors import UsageError, VxError
-from vx.store.format import READERS
+from vx.store.format import READERS, RETAIN
 from vx.store.stream import Stream
 from vx.train.epoch_plan import Batch, Catalog, plan_window
 
@@ -47,9 +47,30 @@ class Follow:
             time.sleep(self.poll)
             if self.stream.refresh():
                 last = time.monotonic()
-            elif time.monotonic() - last > self.loader.follow_timeout:
+            elif time.monotonic() - last > min(60.0, self.loader.follow_timeout / 2):
+                self._check_retention()
+            if time.monotonic() - last > self.loader.follow_timeout:
                 raise VxError(f"waited {self.loader.follow_timeout:.0f} s for {what()} of {self.loader.path} with "
                               "nothing new committed: is the extraction running? (vx.loader(..., follow_timeout=))")
+
+    def _check_retention(self) -> None:
+        """Stalled while --retain-gb holds the writer we wait for at its bound: no reader can commit
+        the window it has not finished, so nothing will be freed. Say so instead of waiting."""
+        st = self.stream
+        raw = st.src.read(RETAIN)
+        if raw is None or st.parts is None or st.complete:
+            return
+        policy, part = json.loads(raw), st.parts[st._pi]
+        budget = policy["retain_gb"] * 1e9 / policy["writers"]
+        gone = st.dropped()
+        held = [r["bytes"] for r in st._records.get(part, []) if r["shard"] not in gone]
+        if held and sum(held) + max(held) > budget:
+            raise UsageError(
+                f"vx extract --retain-gb {policy['retain_gb']:g} lets each of its {policy['writers']} writers hold "
+                f"{budget / 1e9:.3g} GB of shards not every rank has committed; {part or 'the writer'} holds "
+                f"{sum(held) / 1e9:.3g} GB, and this reader needs more of its shards before it can commit (a window is "
+                f"shuffle_shards={self.loader.shuffle_shards} shards; ranks commit at checkpoints): raise --retain-gb, "
+                "lower shuffle_shards, or commit more often")
 
     def meta_now(self) -> dict:
         self._wait(lambda: self.stream.meta is not None, self.stream.waiting_for)
