@@ -12,6 +12,8 @@ takes batches position + w, position + w + W, ... of its rank, which the DataLoa
 in order. `state_dict()` is {"epoch", "position", ...}; after `load_state_dict` the batches
 before position are skipped without reading anything.
 
+`follow=True` reads the first epoch while `vx extract` writes it, window by window, and
+`commit(state)` tells `vx extract --retain-gb` what this rank has consumed (vx/train/follow.py).
 The catalog and the plan live in vx/train/epoch_plan.py; S3 outputs are read through a bounded local
 cache (vx/train/shard_cache.py).
 """
