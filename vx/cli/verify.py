@@ -38,7 +38,8 @@ def verify(
     if json_out:
         print(json.dumps(summary))
     else:
-        print(f"shards       {r.shards_checked} checked, {len(r.bad_shards)} bad {r.bad_shards or ''}")
+        print(f"shards       {r.shards_checked} checked, {len(r.bad_shards)} bad" + (f" {r.bad_shards}" if r.bad_shards else "")
+              + (f"; {r.dropped_shards} dropped by --retain-gb once consumed (not checked)" if r.dropped_shards else ""))
         if r.duplicate_ids:
             print(f"duplicates   {len(r.duplicate_ids)} sample ids committed twice: {r.duplicate_ids[:5]}")
         for line in report_lines(r):
@@ -49,7 +50,7 @@ def verify(
 
 
 def report_json(r) -> dict:
-    return {"ok": r.ok, "shards_checked": r.shards_checked, "bad_shards": r.bad_shards,
+    return {"ok": r.ok, "shards_checked": r.shards_checked, "bad_shards": r.bad_shards, "dropped_shards": r.dropped_shards,
             "duplicate_ids": r.duplicate_ids[:20], "samples_checked": len({s["id"] for s in r.samples}),
             "reference": r.reference, "min_cosine": r.min_cosine, "max_rel_diff": r.max_rel_diff,
             "layers": r.worst_by_layer()}

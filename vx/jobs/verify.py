@@ -15,12 +15,14 @@ from pathlib import Path
 from vx.errors import UsageError
 from vx.store.format import sha256_file
 from vx.store.reader import open_dataset
+from vx.store.stream import Stream
 
 
 @dataclass
 class VerifyReport:
     shards_checked: int = 0
     bad_shards: list[str] = field(default_factory=list)
+    dropped_shards: int = 0  # deleted by --retain-gb once consumed: not checked, not sampled
     duplicate_ids: list[str] = field(default_factory=list)  # committed more than once
     samples: list[dict] = field(default_factory=list)  # {id, layer, cosine, max_abs_diff, rel_diff, ok}
     min_cosine: float = 1.0
@@ -69,7 +71,11 @@ def _verify(out: Path, model, samples, min_cosine, seed, device, remote=None) ->
     report = VerifyReport(min_cosine=min_cosine if min_cosine is not None else 1.0)
     seen: set[str] = set()
     report.duplicate_ids = sorted({sid for sid in ds.ids if sid in seen or seen.add(sid)})
+    dropped = Stream(str(out)).dropped_now()
     for rec in ds.shards:
+        if rec["shard"] in dropped:
+            report.dropped_shards += 1
+            continue
         report.shards_checked += 1
         if client is not None:
             try:
@@ -82,7 +88,7 @@ def _verify(out: Path, model, samples, min_cosine, seed, device, remote=None) ->
             ok = path.exists() and path.stat().st_size == rec["bytes"] and sha256_file(path) == rec["sha256"]
         if not ok:
             report.bad_shards.append(rec["shard"])
-    if samples <= 0 or not len(ds):
+    if samples <= 0 or not len(ds) or report.dropped_shards == len(ds.shards):
         return report
     from vx.data.model import resolve_model
     from vx.engine.reference import Bound, Reference
@@ -94,7 +100,8 @@ def _verify(out: Path, model, samples, min_cosine, seed, device, remote=None) ->
     report.min_cosine = ref.bound.min_cosine
     report.max_rel_diff = None if min_cosine is not None else ref.bound.max_rel_diff
     report.reference = ref.why
-    for i in sorted(random.Random(seed).sample(range(len(ds)), min(samples, len(ds)))):
+    kept = [i for i in range(len(ds)) if ds.shards[ds._loc[i][0]]["shard"] not in dropped]
+    for i in sorted(random.Random(seed).sample(kept, min(samples, len(kept)))):
         if client is not None:  # fetch the sample's shard, then check its bytes against the manifest
             rec = ds.shards[ds._loc[i][0]]
             path = out / rec["shard"]

@@ -66,7 +66,8 @@ def fetch_remote_state(target: S3Target, endpoint_url: str | None, out: Path) ->
 def fetch_layout_meta(client, target: S3Target, out: Path) -> list[str]:
     """Copy vx.json and every manifest under target (root and partitions) into out, keeping the
     layout; returns their names. Raises UsageError when target holds no vx output."""
-    names = [name for _, name in layout_names(client, target) if name.rpartition("/")[2] in (RUN_META, MANIFEST)]
+    names = [name for _, name in layout_names(client, target)
+             if name.rpartition("/")[2] in (RUN_META, MANIFEST, DROPPED)]
     if RUN_META not in names or not any(n.endswith(MANIFEST) for n in names):
         raise UsageError(f"{target} has no {RUN_META} and {MANIFEST}; is it a vx output?")
     for name in names:

@@ -148,6 +148,15 @@ class Stream:
             if self._pi == len(self.parts):
                 self._pi, self._k = 0, self._k + 1
 
+    def dropped_now(self) -> set[str]:
+        """dropped() of an output read as it is now (any layout, no follow rules)."""
+        parts = [""] + (self.src.partitions())
+        keep, self.parts = self.parts, parts
+        try:
+            return self.dropped()
+        finally:
+            self.parts = keep
+
     def dropped(self) -> set[str]:
         """Shards deleted by --retain-gb (names as in the records: partition/shard)."""
         names: set[str] = set()
