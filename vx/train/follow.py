@@ -103,6 +103,14 @@ class Follow:
             w += 1
         return [b for _, batches in self.windows for b in batches]
 
+    def ready(self, w: int) -> bool:
+        """Whether window w can be planned now, without waiting."""
+        size = self.loader.shuffle_shards
+        if len(self.windows) > w or len(self.stream) >= (w + 1) * size or self.stream.complete:
+            return True
+        self.stream.refresh()
+        return len(self.stream) >= (w + 1) * size or self.stream.complete
+
     def iterate(self):
         from vx.train.shard_cache import open_shards
 
@@ -110,21 +118,38 @@ class Follow:
         info = get_worker_info()
         step, wid = (info.num_workers, info.id) if info else (1, 0)
         first = ld.position + wid
-        plan: list[list[int]] = []  # shards of each batch this reader takes, appended window by window
+        starts = [0]  # this rank's index of the first batch of each planned window
+
+        def mine(v: int) -> list[tuple[int, Batch]]:
+            j = starts[v]
+            return [(j + i, b) for i, b in enumerate(self.windows[v][1]) if j + i >= first and (j + i - first) % step == 0]
+
+        plan: list[list[int]] = []  # shards of each batch this reader takes: the S3 cache fetches along it
+        fed = 0                     # windows whose batches are in plan
+
+        def feed(upto: int) -> None:
+            nonlocal fed
+            while fed <= upto:
+                if len(starts) <= fed + 1:
+                    starts.append(starts[fed] + len(self.windows[fed][1]))
+                cat = self.windows[fed][0]
+                plan.extend(list(dict.fromkeys(cat.shard_of[b.samples].tolist())) for _, b in mine(fed))
+                fed += 1
+
         with open_shards(ld, f"r{ld.rank}-w{wid}", self.records, plan) as shards:
-            j = w = k = 0
+            w = k = 0
             while self.window(w):
-                cat, batches = self.windows[w]
-                mine = [(j + i, b) for i, b in enumerate(batches) if j + i >= first and (j + i - first) % step == 0]
-                plan.extend(list(dict.fromkeys(cat.shard_of[b.samples].tolist())) for _, b in mine)
-                for jj, b in mine:
+                feed(w)
+                if self.ready(w + 1) and self.window(w + 1):  # the next window's shards fetched during this one
+                    feed(w + 1)
+                cat = self.windows[w][0]
+                for jj, b in mine(w):
                     shards.begin(k)
                     k += 1
                     batch = ld._assemble(cat, b, shards)
                     if info is None:
                         ld.position = jj + 1
                     yield batch
-                j += len(batches)
                 w += 1
 
     def finished_catalog(self) -> Catalog:
