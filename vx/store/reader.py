@@ -18,7 +18,7 @@ from torch.utils.data import Dataset
 
 from vx.errors import UsageError
 from vx.store.encoding import decode
-from vx.store.format import RUN_META, output_dirs, read_manifest
+from vx.store.format import DROPPED, RUN_META, output_dirs, read_manifest
 
 _TORCH_DTYPE = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I32": torch.int32,
                 "U8": torch.uint8, "I64": torch.int64, "F8_E4M3": torch.float8_e4m3fn}
@@ -94,7 +94,12 @@ class VxDataset(Dataset):
 
     def _shard(self, s_idx: int) -> tuple[ShardFile, torch.Tensor]:
         if s_idx not in self._open:
-            f = ShardFile(self.path / self.shards[s_idx]["shard"])
+            path = self.path / self.shards[s_idx]["shard"]
+            if not path.exists() and (path.parent / DROPPED).exists() and \
+                    f'"{path.name}"' in (path.parent / DROPPED).read_text():
+                raise UsageError(f"{self.shards[s_idx]['shard']} was deleted by vx extract --retain-gb once every "
+                                 "follow reader had consumed it; its samples are no longer stored")
+            f = ShardFile(path)
             self._open[s_idx] = (f, f.tensor("offsets"))
         return self._open[s_idx]
 
