@@ -97,7 +97,7 @@ def export(output: str | Path, dest: str | Path, target: list[int] | None = None
               "bytes": sum(r["bytes"] for r in cat.shards), "layer_ids": layers,
               "target_layer_ids": [k + 1 for k in layers[:-1]], "num_layers": int(meta["num_layers"]),
               "hidden_size": int(meta["hidden_size"]), "model": meta.get("model"),
-              "store_dtype": meta.get("store_dtype")}
+              "store_dtype": meta.get("store_dtype"), "compress": meta.get("compress", "none")}
     (dest / SOURCE).write_text(json.dumps(source, indent=2) + "\n")
     return dict(source, **count)
 
