@@ -209,12 +209,21 @@ class S3Shards(LocalShards):
 
     def _feed(self) -> None:
         """Start fetches for the shards the plan needs next, in order, at most `prefetch` at once."""
-        with self._cond:
-            while not self._stop and self._error is None:
-                ahead = [i for i in self.upcoming()
-                         if i not in self._ready and i not in self._pending and i not in self._corrupt]
-                if not ahead or len(self._pending) >= self.prefetch or not self._start(ahead[0], wait_for_room=True):
-                    self._cond.wait(0.05)
+        try:
+            with self._cond:
+                while not self._stop and self._error is None:
+                    ahead = [i for i in self.upcoming()
+                             if i not in self._ready and i not in self._pending and i not in self._corrupt]
+                    if not ahead or len(self._pending) >= self.prefetch or \
+                            not self._start(ahead[0], wait_for_room=True):
+                        self._cond.wait(0.05)
+        except RuntimeError as e:
+            # At interpreter exit concurrent.futures refuses new work before atexit closes this
+            # cache (a pass left early): nothing more is needed, so the feeder just ends.
+            if "shutdown" not in str(e):
+                with self._cond:
+                    self._error = VxError(f"shard prefetch failed: {e}")
+                    self._cond.notify_all()
 
     def _fetch(self, i: int) -> None:
         rec = self.records[i]
