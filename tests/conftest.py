@@ -76,3 +76,16 @@ def chat_vllm_run(tmp_path_factory):
                         "vllm", "--json", "--verify", "8"], capture_output=True, text=True, cwd=ROOT, timeout=900,
                        env=dict(os.environ, VX_CACHE_DIR=str(base / "cache")))
     return SimpleNamespace(result=r, out=out)
+
+
+def machine_cache(path: Path) -> str:
+    """A fresh vx cache directory, as on a new machine (no staging, no plans, no logs), holding the
+    session's embedded model: building it again costs ~6 s per use, and that build is tested on
+    its own (test_cli's clean-cache tests)."""
+    from vx.data.tiny import default_model_dir
+
+    model = default_model_dir()
+    path.mkdir(parents=True, exist_ok=True)
+    if not (path / model.name).exists():
+        (path / model.name).symlink_to(model, target_is_directory=True)
+    return str(path)

@@ -6,6 +6,7 @@ import json
 import pytest
 
 import vx
+from conftest import machine_cache
 from test_cli import vx_cmd
 from test_s3 import CREDS, data_file, download, s3_server  # noqa: F401  (fixture)
 
@@ -24,7 +25,7 @@ KILL_POINTS = [
 
 
 def run(tmp_path, prefix, fault=None, cache="cache"):
-    env = dict(CREDS, VX_CACHE_DIR=str(tmp_path / cache))
+    env = dict(CREDS, VX_CACHE_DIR=machine_cache(tmp_path / cache))
     if fault:
         env["VX_FAULT"] = fault
     return vx_cmd("extract", str(data_file(tmp_path)), "-o", f"s3://vx-out/{prefix}", "--endpoint-url",

@@ -18,14 +18,14 @@ import time
 from pathlib import Path
 
 import vx
-from conftest import ROOT
+from conftest import ROOT, machine_cache
 
 CHAT = str(ROOT / "examples" / "chat.jsonl")
 ALL_IDS = sorted(json.loads(line).get("id") for line in open(CHAT))
 
 
 def start(out: Path, cache: Path, fault: str | None = None) -> subprocess.Popen:
-    env = dict(os.environ, VX_CACHE_DIR=str(cache))
+    env = dict(os.environ, VX_CACHE_DIR=machine_cache(cache))
     if fault:
         env["VX_FAULT"] = fault
     cmd = [sys.executable, "-m", "vx", "extract", CHAT, "-o", str(out), "--backend", "vllm", "--max-num-seqs", "4",

@@ -151,8 +151,7 @@ def test_tensor_parallel_pages_for_27b_class_targets():
     state, ~0.4-1.6 MB per rank, against 51,200 B of states per token); a dense target with 8 KV
     heads is from TP 2 on, and the vLLM vx runs scales its pages (PR #50894, in 0.32 and 0.33);
     without that fix the run stops before any weight loads."""
-    from vx.engine.defaults import check_tensor_parallel_pages, page_check, vllm_scales_pages
-    from vx.errors import UsageError
+    from vx.engine.defaults import page_check, vllm_scales_pages
 
     hybrid = {"hidden_size": 5120, "num_key_value_heads": 4, "head_dim": 256, "num_attention_heads": 24,
               "layer_types": ["linear_attention"] * 3 + ["full_attention"], "linear_num_value_heads": 48,

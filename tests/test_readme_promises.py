@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import vx
-from conftest import ROOT, write_jsonl
+from conftest import ROOT, machine_cache, write_jsonl
 from test_cli import vx_cmd
 from test_s3 import CREDS, download, s3_server  # noqa: F401  (fixture)
 
@@ -112,7 +112,7 @@ def test_kill_9_of_a_vllm_run_to_s3_then_rerun_gives_every_sample_once_and_verif
     url, client = s3_server
     rows = [{"id": f"k{i}", "text": f"sample {i} " * (20 + 40 * (i % 5))} for i in range(24)]
     data = write_jsonl(tmp_path / "d.jsonl", rows)
-    env = dict(CREDS, VX_CACHE_DIR=str(tmp_path / "cache"))
+    env = dict(CREDS, VX_CACHE_DIR=machine_cache(tmp_path / "cache"))
     args = ["extract", str(data), "-o", "s3://vx-out/vllm-kill", "--endpoint-url", url, "--backend", "vllm",
             "--max-num-batched-tokens", "512", "--max-num-seqs", "4", "--shard-size", "2", "--json"]
     killed = vx_cmd(*args, env=dict(env, VX_FAULT="after-step:6"))

@@ -6,7 +6,7 @@ import boto3
 import pytest
 
 import vx
-from conftest import write_jsonl
+from conftest import machine_cache, write_jsonl
 from test_cli import vx_cmd
 
 CREDS = {"AWS_ACCESS_KEY_ID": "vx-test", "AWS_SECRET_ACCESS_KEY": "vx-test-secret", "AWS_DEFAULT_REGION": "us-east-1"}
@@ -80,7 +80,7 @@ def test_output_to_s3_holds_a_readable_dataset_and_local_disk_stays_bounded(s3_s
     data = data_file(tmp_path)
     r = vx_cmd("extract", str(data), "-o", "s3://vx-out/run1", "--endpoint-url", url, "--backend", "hf",
                "--shard-size", "0.2", "--max-local-gb", "0.0005", "--batch-size", "4", "--json",
-               env=dict(CREDS, VX_CACHE_DIR=str(tmp_path / "cache")))
+               env=dict(CREDS, VX_CACHE_DIR=machine_cache(tmp_path / "cache")))
     assert r.returncode == 0, r.stderr[-2000:]
     s = json.loads(r.stdout)
     assert s["samples"] == 24 and s["errors"] == 1 and s["shards"] > 3
@@ -110,9 +110,9 @@ def test_rerun_on_a_fresh_machine_resumes_from_the_s3_manifest(s3_server, tmp_pa
     url, client = s3_server
     data = data_file(tmp_path)
     args = ["extract", str(data), "-o", "s3://vx-out/run2", "--endpoint-url", url, "--backend", "hf", "--json"]
-    first = vx_cmd(*args, env=dict(CREDS, VX_CACHE_DIR=str(tmp_path / "machine-a")))
+    first = vx_cmd(*args, env=dict(CREDS, VX_CACHE_DIR=machine_cache(tmp_path / "machine-a")))
     assert first.returncode == 0, first.stderr[-2000:]
-    again = vx_cmd(*args, env=dict(CREDS, VX_CACHE_DIR=str(tmp_path / "machine-b")))
+    again = vx_cmd(*args, env=dict(CREDS, VX_CACHE_DIR=machine_cache(tmp_path / "machine-b")))
     assert again.returncode == 0, again.stderr[-2000:]
     s = json.loads(again.stdout)
     assert s["resumed_samples"] == 24 and s["samples"] == 0
@@ -138,7 +138,7 @@ def test_vllm_backend_writes_in_its_worker_while_the_driver_uploads(s3_server, t
     url, client = s3_server
     r = vx_cmd("extract", str(data_file(tmp_path)), "-o", "s3://vx-out/run3", "--endpoint-url", url, "--backend",
                "vllm", "--shard-size", "0.5", "--max-local-gb", "0.001", "--json",
-               env=dict(CREDS, VX_CACHE_DIR=str(tmp_path / "cache"), VLLM_LOGGING_LEVEL="WARNING"))
+               env=dict(CREDS, VX_CACHE_DIR=machine_cache(tmp_path / "cache"), VLLM_LOGGING_LEVEL="WARNING"))
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads(r.stdout)
     assert s["samples"] == 24 and s["uploaded_bytes"] == s["bytes_written"] > 0
@@ -155,7 +155,7 @@ def test_throttling_and_5xx_are_retried_with_backoff(s3_server, tmp_path, tiny_m
     with FaultyProxy(int(url.rsplit(":", 1)[1]), fail_every=4) as proxy:
         r = vx_cmd("extract", str(data_file(tmp_path)), "-o", "s3://vx-out/throttled", "--endpoint-url", proxy.url,
                    "--backend", "hf", "--shard-size", "0.2", "--json",
-                   env=dict(CREDS, VX_CACHE_DIR=str(tmp_path / "cache")))
+                   env=dict(CREDS, VX_CACHE_DIR=machine_cache(tmp_path / "cache")))
         assert r.returncode == 0, r.stderr[-2000:]
         assert proxy.injected >= 10  # one request in four answered 503 SlowDown
     download(client, "vx-out", "throttled", tmp_path / "copy")
@@ -186,7 +186,7 @@ def test_the_run_survives_an_s3_outage(tmp_path, tiny_model):
     port = free_port()
     server, url, client = start_s3(port)
     proxy = FaultyProxy(port).__enter__()  # counts the requests that find the server down
-    env = dict(os.environ, **CREDS, VX_CACHE_DIR=str(tmp_path / "cache"))
+    env = dict(os.environ, **CREDS, VX_CACHE_DIR=machine_cache(tmp_path / "cache"))
     proc = subprocess.Popen([sys.executable, "-m", "vx", "extract", str(data_file(tmp_path, n=60)), "-o",
                              "s3://vx-out/outage", "--endpoint-url", proxy.url, "--backend", "hf", "--shard-size",
                              "0.2", "--batch-size", "2", "--max-local-gb", "0.01", "--json"],
@@ -225,7 +225,7 @@ def test_another_layer_set_against_the_same_prefix_is_refused_unless_overwrite(s
 
     def run(layers, *extra, machine):
         return vx_cmd("extract", str(data), "-o", "s3://vx-out/run4", "--endpoint-url", url, "--backend", "hf",
-                      "--layers", layers, *extra, env=dict(CREDS, VX_CACHE_DIR=str(tmp_path / machine)))
+                      "--layers", layers, *extra, env=dict(CREDS, VX_CACHE_DIR=machine_cache(tmp_path / machine)))
 
     assert run("1,2", machine="a").returncode == 0
     refused = run("1,3", machine="b")  # a fresh machine: the identity comes from S3
@@ -241,7 +241,7 @@ def test_an_emptied_prefix_or_another_endpoint_starts_fresh_instead_of_failing(s
 
     url, client = s3_server
     data = data_file(tmp_path)
-    env = dict(CREDS, VX_CACHE_DIR=str(tmp_path / "cache"))
+    env = dict(CREDS, VX_CACHE_DIR=machine_cache(tmp_path / "cache"))
 
     def run(endpoint):
         return vx_cmd("extract", str(data), "-o", "s3://vx-out/stale", "--endpoint-url", endpoint, "--backend", "hf",
@@ -275,7 +275,7 @@ def test_an_emptied_prefix_or_another_endpoint_starts_fresh_instead_of_failing(s
 def test_committed_shards_lost_from_a_prefix_are_redone_with_a_notice(s3_server, tmp_path, tiny_model):
     url, client = s3_server
     data = data_file(tmp_path)
-    env = dict(CREDS, VX_CACHE_DIR=str(tmp_path / "cache"))
+    env = dict(CREDS, VX_CACHE_DIR=machine_cache(tmp_path / "cache"))
     args = ["extract", str(data), "-o", "s3://vx-out/lost", "--endpoint-url", url, "--backend", "hf",
             "--shard-size", "0.2", "--json"]
     first = vx_cmd(*args, env=env)

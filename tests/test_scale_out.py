@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import vx
-from conftest import ROOT
+from conftest import ROOT, machine_cache
 from test_cli import vx_cmd
 from test_s3 import CREDS, data_file, download, s3_server  # noqa: F401  (fixture)
 
@@ -124,7 +124,7 @@ def test_contradictory_scale_out_flags_are_refused_before_any_work(tmp_path, arg
 
 def test_data_parallel_to_s3_gives_one_verified_dataset(s3_server, tmp_path, tiny_model):  # noqa: F811
     url, client = s3_server
-    env = dict(CREDS, VX_CACHE_DIR=str(tmp_path / "cache"))
+    env = dict(CREDS, VX_CACHE_DIR=machine_cache(tmp_path / "cache"))
     data = data_file(tmp_path)
     r, s = extract(str(data), "-o", "s3://vx-out/dp", "--endpoint-url", url, "--backend", "hf", "--dp", "2",
                    "--shard-size", "0.2", env=env)
