@@ -61,7 +61,8 @@ def test_store_dtypes_and_zstd_round_trip_through_the_cli(backend, tmp_path, tin
     runs = [subprocess.Popen(
         [sys.executable, "-m", "vx", "extract", str(data), "-o", str(tmp_path / f"{backend}-{dtype}"), "--backend",
          backend, "--layers", ",".join(map(str, LAYERS)), "--store-dtype", dtype, "--json",
-         *(["--compress", compress] if compress else []), "--gpu-memory-utilization", "0.05"],
+         *(["--compress", compress] if compress else []), "--gpu-memory-utilization", "0.05",
+         *(["-v"] if verbose(backend, dtype) else [])],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT) for dtype, compress, _ in cases]
     results = [(run.communicate(timeout=900), run.returncode) for run in runs]
     for (dtype, compress, floor), ((stdout, stderr), rc) in zip(cases, results):
@@ -77,6 +78,17 @@ def test_store_dtypes_and_zstd_round_trip_through_the_cli(backend, tmp_path, tin
         assert ds.meta["store_dtype"] == dtype and ds.layer_ids == LAYERS
         cos = worst_cosine(ds, tiny_model)
         assert cos >= floor, (backend, dtype, cos)
+        if verbose(backend, dtype):  # -v: vLLM's log live on stderr instead of OUT/logs/vllm.log
+            assert "INFO" in stderr and "EngineCore" in stderr
+            assert not (out / "logs" / "vllm.log").exists()
+            bad = [line for line in stderr.splitlines()
+                   if any(n in line for n in ("resource_tracker", "Traceback", "force killing"))]
+            assert not bad, bad
+
+
+def verbose(backend: str, dtype: str) -> bool:
+    """One of the vLLM runs also shows that -v prints vLLM's log live (no engine of its own)."""
+    return backend == "vllm" and dtype == "fp16"
 
 
 def test_another_model_hidden_size_or_store_dtype_on_the_same_output_is_refused(tmp_path, tiny_model):
