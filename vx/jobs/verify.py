@@ -71,7 +71,8 @@ def _verify(out: Path, model, samples, min_cosine, seed, device, remote=None) ->
     report = VerifyReport(min_cosine=min_cosine if min_cosine is not None else 1.0)
     seen: set[str] = set()
     report.duplicate_ids = sorted({sid for sid in ds.ids if sid in seen or seen.add(sid)})
-    dropped = Stream(str(out)).dropped_now()
+    src = Stream(str(out))
+    dropped = src.dropped([""] + src.src.partitions())
     for rec in ds.shards:
         if rec["shard"] in dropped:
             report.dropped_shards += 1

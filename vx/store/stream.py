@@ -148,25 +148,26 @@ class Stream:
             if self._pi == len(self.parts):
                 self._pi, self._k = 0, self._k + 1
 
-    def dropped_now(self) -> set[str]:
-        """dropped() of an output read as it is now (any layout, no follow rules)."""
-        parts = [""] + (self.src.partitions())
-        keep, self.parts = self.parts, parts
-        try:
-            return self.dropped()
-        finally:
-            self.parts = keep
-
-    def dropped(self) -> set[str]:
-        """Shards deleted by --retain-gb (names as in the records: partition/shard)."""
+    def dropped(self, parts: list[str] | None = None) -> set[str]:
+        """Shards deleted by --retain-gb (names as in the records: partition/shard), in the
+        stream's partitions or in `parts` ("" for the root)."""
         names: set[str] = set()
-        for p in self.parts or []:
+        for p in parts if parts is not None else self.parts or []:
             raw = self.src.read(f"{p}/{DROPPED}" if p else DROPPED) or b""
             for line in raw.decode().splitlines():
                 if line.strip().endswith("}"):
                     shard = json.loads(line)["shard"]
                     names.add(f"{p}/{shard}" if p else shard)
         return names
+
+    def next_writer(self) -> str | None:
+        """The partition ("" for the root) whose next shard the stream waits for; None when complete."""
+        return None if self.parts is None or self.complete else self.parts[self._pi]
+
+    def held(self, part: str) -> list[int]:
+        """Bytes of each committed shard of `part` read so far that --retain-gb has not dropped."""
+        gone = self.dropped([part])
+        return [r["bytes"] for r in self._records.get(part, []) if r["shard"] not in gone]
 
     def record(self, q: int) -> dict:
         p, k = self.order[q]

@@ -57,13 +57,13 @@ class Follow:
         """Stalled while --retain-gb holds the writer we wait for at its bound: no reader can commit
         the window it has not finished, so nothing will be freed. Say so instead of waiting."""
         st = self.stream
-        raw = st.src.read(RETAIN)
-        if raw is None or st.parts is None or st.complete:
+        part = st.next_writer()
+        raw = st.src.read(RETAIN) if part is not None else None
+        if raw is None:
             return
-        policy, part = json.loads(raw), st.parts[st._pi]
+        policy = json.loads(raw)
         budget = policy["retain_gb"] * 1e9 / policy["writers"]
-        gone = st.dropped()
-        held = [r["bytes"] for r in st._records.get(part, []) if r["shard"] not in gone]
+        held = st.held(part)
         if held and sum(held) + max(held) > budget:
             raise UsageError(
                 f"vx extract --retain-gb {policy['retain_gb']:g} lets each of its {policy['writers']} writers hold "
