@@ -23,6 +23,7 @@ from pathlib import Path
 
 from vx.store.format import DROPPED, READERS
 from vx.store.stream import Stream
+from vx.store.uploader import local_shard_bytes
 
 
 def reader_records(stream: Stream) -> list[dict]:
@@ -94,7 +95,7 @@ class Retainer:
                         new.append(rec)
                 if new:
                     self._drop(new)
-                held = self._held()
+                held = local_shard_bytes(self.local_dir)
                 if held >= self.budget and time.monotonic() - said > 60:
                     said = time.monotonic()
                     print(f"vx: --retain-gb: {held / 1e9:.2f} GB of unconsumed shards fill this writer's "
@@ -102,8 +103,6 @@ class Retainer:
         except BaseException as e:  # surfaced by stop()
             self.error = e
 
-    def _held(self) -> int:
-        return sum(f.stat().st_size for f in self.local_dir.glob("shard-*.safetensors*") if f.exists())
 
     def _drop(self, records: list[dict]) -> None:
         """List the shards as dropped first (local and S3), then delete them: a crash in between

@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from vx.errors import VxError
+from vx.store.format import sha256_file
 from vx.store.reader import ShardFile
 
 OPEN_FILES = 8  # mapped shards kept open per reader
@@ -231,11 +232,7 @@ class S3Shards(LocalShards):
             fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".fetch-")
             os.close(fd)
             self.client.download_file(self.target.bucket, self.target.key(rec["shard"]), tmp, Config=self.transfer)
-            digest = hashlib.sha256()
-            with open(tmp, "rb") as f:
-                while chunk := f.read(8 << 20):
-                    digest.update(chunk)
-            if digest.hexdigest() != rec["sha256"]:
+            if sha256_file(Path(tmp)) != rec["sha256"]:
                 os.unlink(tmp)
                 with self._cond:
                     self._pending.pop(i, None)
