@@ -1,16 +1,21 @@
 """The vLLM engine lives and dies with its driver, and only one live process writes an output.
 
-- Driver killed with SIGKILL mid-run: within seconds no process of that run is left (found by
-  the VX_DRIVER mark every engine process inherits, read from /proc), nothing was committed after
-  the driver died.
-- SIGTERM (preemption) of the next run on that output: a clean stop like Ctrl-C (exit 143, one
-  line, no traceback), no process left; rerunning the same command then gives every sample
-  exactly once.
-- A directory that a live process still writes into is refused at once, untouched.
+One output goes through every way a run ends early, then one rerun finishes it exactly once:
+- the driver killed with SIGKILL mid-run: within seconds no process of that run is left (found
+  by the VX_DRIVER mark every engine process inherits, read from /proc), nothing was committed
+  after the driver died;
+- SIGTERM (preemption) of the driver alone: a clean stop like Ctrl-C (exit 143, one line, no
+  traceback), no process left;
+- the engine core killed under a live driver, with SIGKILL (the OOM killer's choice: the largest
+  process) in warm-up and mid-run: the driver is gone within 10 s of the engine's death with one
+  line naming it and exit code 3, nothing committed after the death, no process left;
+- SIGTERM to the whole process group (`scancel`, `timeout`, `kill -- -PGID`): exit 143 within 10 s.
+A directory that a live process still writes into is refused at once, untouched.
 """
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,15 +27,25 @@ from conftest import ROOT, machine_cache
 
 CHAT = str(ROOT / "examples" / "chat.jsonl")
 ALL_IDS = sorted(json.loads(line).get("id") for line in open(CHAT))
+BOUND_S = 10.0  # a driver outlives its dead engine by less than this
+DIED = re.compile(r"^vx: error: the vLLM engine \(pid (\d+)\) died: killed by SIGKILL \(out of memory\?\); "
+                  r"committed (samples|conversations) are kept, rerun the same command to continue$")
 
 
 def start(out: Path, cache: Path, fault: str | None = None) -> subprocess.Popen:
-    env = dict(os.environ, VX_CACHE_DIR=machine_cache(cache))
-    if fault:
-        env["VX_FAULT"] = fault
     cmd = [sys.executable, "-m", "vx", "extract", CHAT, "-o", str(out), "--backend", "vllm", "--max-num-seqs", "4",
            "--max-num-batched-tokens", "256", "--shard-size", "0.5", "--json"]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    return launch(cmd, cache, fault)
+
+
+def launch(cmd: list[str], cache: Path, fault: str | None = None) -> subprocess.Popen:
+    """In a session of its own, as a job script or scheduler starts it (so its group can be signalled)."""
+    env = dict(os.environ, VX_CACHE_DIR=machine_cache(cache))
+    env.pop("VX_FAULT", None)
+    if fault:
+        env["VX_FAULT"] = fault
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                            start_new_session=True)
 
 
 def processes_of(driver_pid: int) -> list[int]:
@@ -58,6 +73,61 @@ def wait_gone(driver_pid: int, within_s: float = 10.0) -> float:
     return time.monotonic() - t0
 
 
+def engine_cores(driver: int) -> list[int]:
+    def title(pid):
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return b""
+
+    return [pid for pid in processes_of(driver) if title(pid).startswith(b"VLLM::EngineCore")]
+
+
+def follow(p: subprocess.Popen, until=lambda: False, act=None) -> tuple[float, float | None, str]:
+    """Watch the driver every 50 ms: once until() holds, act(engine pid) is done (a kill). Returns
+    (when the driver exited, when its engine core was last seen alive, stderr)."""
+    seen: set[int] = set()
+    last_alive = None
+    acted = False
+    while p.poll() is None:
+        alive = engine_cores(p.pid)
+        if alive:
+            seen.update(alive)
+            last_alive = time.monotonic()
+        if act and not acted and alive and until():
+            act(alive[0])
+            acted = True
+        time.sleep(0.05)
+    exited = time.monotonic()
+    assert seen, "the engine core was never seen"
+    _, stderr = p.communicate(timeout=60)
+    return exited, last_alive, stderr
+
+
+def assert_one_line(stderr: str, pattern=DIED) -> None:
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert pattern.match(stderr.strip().splitlines()[-1]), stderr[-3000:]
+
+
+def kill9_and_wait(pid: int) -> dict:
+    """SIGKILL, then the moment the process is really gone (a syscall in flight, an fsync, ends
+    first): (when in time_ns, when in monotonic)."""
+    os.kill(pid, signal.SIGKILL)
+    while True:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            break
+        if state in ("Z", "X"):
+            break
+        time.sleep(0.002)
+    return {"pid": pid, "ns": time.time_ns(), "t": time.monotonic()}
+
+
+def committed(manifest: Path) -> int:
+    return sum(1 for _ in open(manifest)) if manifest.exists() else 0
+
+
 def rerun_gives_every_sample_once(out: Path, cache: Path) -> None:
     again = start(out, cache)
     stdout, stderr = again.communicate(timeout=900)
@@ -67,8 +137,10 @@ def rerun_gives_every_sample_once(out: Path, cache: Path) -> None:
     assert len(vx.open_dataset(out)) == len(ALL_IDS)
 
 
-def test_sigkill_then_sigterm_mid_run_leave_no_process_and_the_rerun_gives_every_sample_once(tmp_path, tiny_model):
-    """Both ways a driver dies, one after the other on one output; one rerun then finishes it."""
+def test_a_run_killed_or_stopped_every_way_leaves_no_process_and_one_rerun_gives_every_sample_once(tmp_path,
+                                                                                                   tiny_model):
+    """Both ways a driver dies, then three ways its engine dies, one after the other on one
+    output; one rerun then finishes it."""
     out, cache = tmp_path / "out", tmp_path / "cache"
     manifest = out / "manifest.jsonl"
 
@@ -98,7 +170,55 @@ def test_sigkill_then_sigterm_mid_run_leave_no_process_and_the_rerun_gives_every
     assert p.returncode == 143, stderr[-3000:]
     assert "interrupted; rerun the same command" in stderr and "Traceback" not in stderr
     assert engine and wait_gone(p.pid) < 10
+    engine_deaths(out, cache)
     rerun_gives_every_sample_once(out, cache)
+
+
+def engine_deaths(out: Path, cache: Path) -> None:
+    """The engine core dies under a live driver, three ways, on the output of the runs above."""
+    manifest = out / "manifest.jsonl"
+    # SIGKILL of the engine core at its 2nd step: in warm-up, before any sample
+    p = start(out, cache, fault="engine-step:2")
+    exited, last_alive, stderr = follow(p)
+    assert p.returncode == 3, stderr[-3000:]
+    assert_one_line(stderr)
+    assert exited - last_alive < BOUND_S, f"the driver outlived its engine by {exited - last_alive:.1f} s"
+    before = committed(manifest)
+    wait_gone(p.pid)
+
+    # SIGKILL of the engine core from outside, mid-run, once it committed a shard
+    p = start(out, cache)
+    killed = {}
+
+    def kill9(pid):
+        killed.update(kill9_and_wait(pid))
+
+    exited, _, stderr = follow(p, until=lambda: committed(manifest) > before, act=kill9)
+    assert p.returncode == 3, stderr[-3000:]
+    assert_one_line(stderr)
+    assert f"(pid {killed['pid']})" in stderr
+    took = exited - killed["t"]
+    print(f"driver gone {took:.2f} s after its engine's SIGKILL")
+    assert took < BOUND_S
+    wait_gone(p.pid)
+    assert manifest.stat().st_mtime_ns <= killed["ns"], "committed after the engine died"
+    done = committed(manifest)
+    assert done < len(ALL_IDS)
+
+    # SIGTERM to the whole process group (driver, engine core), once a further shard is committed
+    p = start(out, cache)
+    sent = {}
+
+    def term_group(pid):
+        os.killpg(p.pid, signal.SIGTERM)
+        sent["t"] = time.monotonic()
+
+    exited, _, stderr = follow(p, until=lambda: committed(manifest) > done, act=term_group)
+    assert p.returncode == 143, stderr[-3000:]
+    assert "Traceback" not in stderr and stderr.strip().splitlines()[-1] == (
+        "vx: interrupted; rerun the same command to continue"), stderr[-3000:]
+    assert exited - sent["t"] < BOUND_S
+    wait_gone(p.pid)
 
 
 def test_an_output_a_live_process_still_writes_is_refused_untouched(tmp_path, tiny_model):

@@ -4,8 +4,10 @@ no torn line; `vx extract` of the output puts exactly the regenerated text under
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -75,22 +77,58 @@ def test_extract_of_the_output_masks_exactly_the_regenerated_text(regenerated, t
         assert runs == [m["content"] + "<|im_end|>" for m in rec["messages"] if m["role"] == "assistant"], sid
 
 
-def test_kill_9_then_rerun_gives_every_id_once_and_no_torn_line(tmp_path, tiny_model):
-    rows = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"question number {i}"}]} for i in range(24)]
+def test_a_killed_driver_or_engine_and_sigterm_to_the_group_then_a_rerun_give_every_id_once(tmp_path, tiny_model):
+    """The driver killed (kill -9 after its 2nd fsynced chunk, then a torn line appended); the
+    engine core killed under a live driver (exit 3 within 10 s, one line, nothing committed after
+    its death); SIGTERM to the whole process group (exit 143 within 10 s); no process left after
+    any; the rerun then writes every conversation once, and every line parses."""
+    from test_engine_lifetime import BOUND_S, assert_one_line, follow, kill9_and_wait, launch, wait_gone
+
+    rows = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"question number {i}"}]} for i in range(40)]
     data = write_jsonl(tmp_path / "d.jsonl", rows)
-    args = [sys.executable, "-m", "vx", "regenerate", str(data), "-o", str(tmp_path / "r.jsonl"),
+    result, cache = tmp_path / "r.jsonl", tmp_path / "cache"
+    args = [sys.executable, "-m", "vx", "regenerate", str(data), "-o", str(result),
             "--max-tokens", "6", "--commit-every", "4", "--max-num-seqs", "4"]
+
+    def lines() -> int:
+        return sum(1 for _ in open(result)) if result.exists() else 0
+
     killed = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=600,
                             env=dict(os.environ, VX_FAULT="after-chunk:2"))
     assert killed.returncode == -9, killed.stderr[-2000:]
-    first = [json.loads(x)["id"] for x in open(tmp_path / "r.jsonl")]
-    assert 0 < len(first) < 24  # killed after its second fsynced chunk
-    with open(tmp_path / "r.jsonl", "ab") as f:  # a crash mid-append leaves a torn line
+    first = [json.loads(x)["id"] for x in open(result)]
+    assert 0 < len(first) < len(rows)  # killed after its second fsynced chunk
+    with open(result, "ab") as f:  # a crash mid-append leaves a torn line
         f.write(b'{"id": "c99", "messa')
+
+    p = launch(args, cache)  # the engine core killed once this run committed a chunk of its own
+    dead = {}
+    exited, _, stderr = follow(p, until=lambda: lines() > len(first) + 1,
+                               act=lambda pid: dead.update(kill9_and_wait(pid)))
+    assert p.returncode == 3, stderr[-3000:]
+    assert_one_line(stderr)
+    assert "committed conversations are kept" in stderr and exited - dead["t"] < BOUND_S
+    wait_gone(p.pid)
+    assert result.stat().st_mtime_ns <= dead["ns"], "committed after the engine died"
+    done = lines()
+
+    p = launch(args, cache)
+    sent = {}
+
+    def term_group(pid):
+        os.killpg(p.pid, signal.SIGTERM)
+        sent["t"] = time.monotonic()
+
+    exited, _, stderr = follow(p, until=lambda: lines() > done, act=term_group)
+    assert p.returncode == 143, stderr[-3000:]
+    assert "Traceback" not in stderr and "interrupted; rerun the same command" in stderr
+    assert exited - sent["t"] < BOUND_S
+    wait_gone(p.pid)
+    assert lines() < len(rows) + 1  # it was stopped before the end
+
     again = subprocess.run(args + ["--json"], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert again.returncode == 0, again.stderr[-2000:]
     s = json.loads(again.stdout)
-    assert s["skipped"] == len(first) and s["conversations"] == 24 - len(first)
-    lines = open(tmp_path / "r.jsonl").read().splitlines()
-    ids = [json.loads(x)["id"] for x in lines]  # every line parses: the torn one is gone
-    assert sorted(ids) == sorted(r["id"] for r in rows)
+    ids = [json.loads(x)["id"] for x in open(result).read().splitlines()]  # every line parses: the torn one is gone
+    assert sorted(ids) == sorted(r["id"] for r in rows), "lost or duplicated conversations"
+    assert s["conversations"] + s["skipped"] == len(rows)

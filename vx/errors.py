@@ -1,5 +1,6 @@
 """vx's error types, and the one place that maps errors to exit codes: 0 ok, 1 runtime failure,
-2 usage error, 130 interrupted (Ctrl-C), 143 terminated (SIGTERM). User errors print one line on
+2 usage error, 3 the engine died (committed work is kept: rerun to continue), 130 interrupted
+(Ctrl-C), 143 terminated (SIGTERM). User errors print one line on
 stderr, never a traceback (set VX_DEBUG=1 for one). The CLI and every partition worker run through
 run_guarded."""
 
@@ -13,6 +14,18 @@ import threading
 import click
 import typer
 
+# click's classes, and those of the click that typer >= 0.17 vendors as typer._click
+_CLICKS = [click.exceptions]
+try:
+    import typer._click.exceptions as _typer_click
+
+    _CLICKS.append(_typer_click)
+except ImportError:
+    pass
+_EXITS = tuple({click.exceptions.Exit, typer.Exit, *(getattr(m, "Exit") for m in _CLICKS if hasattr(m, "Exit"))})
+_ABORTS = tuple({click.exceptions.Abort, typer.Abort, *(getattr(m, "Abort") for m in _CLICKS if hasattr(m, "Abort"))})
+_CLICK_ERRORS = tuple({m.ClickException for m in _CLICKS})
+
 
 class VxError(Exception):
     """A runtime failure with a message meant for the user (exit code 1, no traceback)."""
@@ -24,6 +37,12 @@ class UsageError(VxError):
     """Bad user input: a flag, a path, a layer id, a dataset line under --strict (exit code 2)."""
 
     exit_code = 2
+
+
+class EngineDied(VxError):
+    """An engine vx started died (or stopped answering): exit code 3, committed work is kept."""
+
+    exit_code = 3
 
 
 class Terminated(KeyboardInterrupt):
@@ -54,17 +73,30 @@ def run_guarded(body) -> int:
         if rc == 130:  # typer (standalone_mode=False) returns Ctrl-C as exit code 130
             return _interrupted()
         return rc if isinstance(rc, int) else 0
-    except (click.exceptions.Exit, typer.Exit) as e:
+    except _EXITS as e:
         return _interrupted() if e.exit_code == 130 else e.exit_code  # typer turns Ctrl-C into Exit(130)
-    except click.ClickException as e:
+    except _CLICK_ERRORS as e:
         e.show()
         return e.exit_code
-    except (click.exceptions.Abort, typer.Abort):  # click turns Ctrl-C into Abort
+    except _ABORTS:  # click turns Ctrl-C into Abort
         return _interrupted()
     except KeyboardInterrupt:
         return _interrupted()
     except VxError as e:
+        if _terminated:  # SIGTERM to the process group: the engine died of it, the stop is the news
+            return _interrupted()
         if os.environ.get("VX_DEBUG"):
             raise
         print(f"vx: error: {e}", file=sys.stderr)
         return e.exit_code
+
+
+def exit_now(e: VxError) -> None:
+    """Leave at once (a thread's backstop when the main thread cannot be reached): the line and
+    exit code run_guarded would give."""
+    sys.stdout.flush()
+    rc = _interrupted() if _terminated else e.exit_code
+    if not _terminated:
+        print(f"vx: error: {e}", file=sys.stderr)
+    sys.stderr.flush()
+    os._exit(rc)

@@ -1,6 +1,8 @@
 """Failpoints for crash and fault tests: `VX_FAULT=name:n` acts at the n-th pass of point `name`.
 
-Kill points end the process with SIGKILL (what a dead machine does); `enospc` raises
+Kill points end the process with SIGKILL (what a dead machine does; `engine-step`, at each step
+warm-up included, and `engine-sample`, as a sample finishes, are in the vLLM engine core: they
+kill the engine under a live driver); `enospc` raises
 OSError(ENOSPC). `VX_FAULT=corrupt-layer:j` is not a kill point: the capture path shifts layer
 position j of every captured chunk by one token (the rows of token t hold token t-1's states),
 the silent kind of wrong that `vx selftest` and `vx extract --verify` must catch. `VX_FAULT_PARTITION=i` limits the fault to the worker of partition i;

@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from vx import faults
+
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -140,6 +142,7 @@ class VxCaptureConnector(KVConnectorBase_V1, SupportsHMA):
         pass
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        faults.point("engine-step")  # tests: the engine core killed at its n-th step (warm-up included)
         meta = VxConnectorMetadata(self._finished)
         self._finished = []
         return meta
@@ -164,6 +167,7 @@ class VxCaptureConnector(KVConnectorBase_V1, SupportsHMA):
         keep = int(extra["vx_keep"])
         if request.num_computed_tokens < keep:
             return False, None  # aborted mid-prefill: its states are incomplete; the sample is redone
+        faults.point("engine-sample")  # tests: the engine core killed as its n-th sample finishes
         self._finished.append(Finished(request.request_id, extra["vx_id"], extra.get("vx_line"), extra["vx_mask"],
                                        list(request.prompt_token_ids[:keep]), list(block_ids[self._group])))
         return True, None

@@ -54,9 +54,16 @@ def _split_driver_log(log_file: Path) -> None:
     fmt = next((h.formatter for h in logger.handlers if h.formatter is not None), None)
     for h in logger.handlers:
         h.setLevel(logging.WARNING)
+        h.addFilter(_said_by_vx)
     to_file = logging.FileHandler(log_file)
     to_file._vx = True
     to_file.setLevel(logging.DEBUG)
     if fmt is not None:
         to_file.setFormatter(fmt)
     logger.addHandler(to_file)
+
+
+def _said_by_vx(record: logging.LogRecord) -> bool:
+    """The terminal skips vLLM's notice that its engine core exited: vx's own line says which
+    process died, how, and what to do (vx/engine/liveness.py); the log file keeps it."""
+    return "engine core exited unexpectedly" not in record.getMessage()

@@ -101,6 +101,20 @@ def require_driver() -> None:
         os._exit(1)
 
 
+def commit_guard():
+    """The check an engine process's writer runs before each commit, made when its run opens:
+    the driver is alive, and so is this process's parent (for a tensor-parallel worker, the
+    engine core: a worker orphaned by its core's death must not commit either)."""
+    parent = os.getppid()
+
+    def check() -> None:
+        require_driver()
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return check
+
+
 class Reaper:
     """The driver's handle on its watcher."""
 

@@ -137,3 +137,13 @@ def stop_engine_core(engine, pokes: int = 5, wait_s: float = 8.0) -> None:
     client.shutdown()
 
 
+
+
+def stop_engine(engine, watch) -> None:
+    """The end of an engine vx started, alive or dead: its watch first (stopping it is not a
+    death), then stop_engine_core, or for a dead one only what vLLM's client still holds."""
+    watch.close()
+    if watch.dead:
+        engine.engine_core.shutdown()
+    else:
+        stop_engine_core(engine)

@@ -13,6 +13,7 @@ The engine's arguments, warm-up and shutdown are vx/engine/vllm_engine.py.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -22,20 +23,20 @@ from vx.data.samples import Sample
 from vx.engine.capture import capture_budget
 from vx.engine.contract import check_vllm_contract
 from vx.engine.defaults import check_tensor_parallel_pages
+from vx.engine.liveness import start_watched
 from vx.engine.logs import engine_output, vllm_log_path
 from vx.engine.vllm_engine import (
     engine_kwargs,
     prompt_ids,
     request_params,
-    stop_engine_core,
+    stop_engine,
     tokens_input,
     warm_up,
 )
-from vx.errors import UsageError, VxError
+from vx.errors import EngineDied, UsageError, VxError
 
 DRAIN_TIMEOUT_S = 600.0  # after the last request finished, the worker must have taken every sample
-
-
+FINISH_WHEN_STOPPED_S = 5.0  # Ctrl-C / SIGTERM: the worker may commit its last shard this long
 STATUS_EVERY_S = 2.0     # how often the driver asks the worker whether its writer failed
 
 
@@ -72,8 +73,9 @@ class VllmExtractor:
 
         self.layer_ids = list(layer_ids)
         self.reaper = Reaper.start()  # the engine's processes die with this one, even by SIGKILL
-        self.llm = LLM(**kwargs)
-        self.engine = self.llm.llm_engine
+        llm, self.watch = start_watched(lambda: LLM(**kwargs))  # and this one with its engine (liveness.py)
+        self._engine = llm.llm_engine  # unwatched: for the shutdown
+        self.llm, self.engine = self.watch.guard(llm), self.watch.guard(llm.llm_engine)
         config = self.engine.vllm_config
         self.max_num_seqs = config.scheduler_config.max_num_seqs
         self.max_num_batched_tokens = config.scheduler_config.max_num_batched_tokens
@@ -107,6 +109,7 @@ class VllmExtractor:
         exhausted = False
         seq = submitted = 0
         next_status = time.monotonic() + STATUS_EVERY_S
+        stopped = False
         try:
             while True:
                 if not exhausted and len(in_flight) < cap:
@@ -141,12 +144,20 @@ class VllmExtractor:
                     self._raise_if_worker_failed()
                     next_status = time.monotonic() + STATUS_EVERY_S
             self._drain(submitted)
-        except BaseException:  # interrupted or failed: stop computing what nobody will take
-            if in_flight:
-                self.engine.abort_request(list(in_flight))
+        except BaseException as e:  # interrupted or failed: stop computing what nobody will take
+            stopped = isinstance(e, KeyboardInterrupt)
+            if in_flight and not self.watch.dead:
+                with contextlib.suppress(Exception):
+                    self.engine.abort_request(list(in_flight))
             raise
         finally:
-            stats = self.llm.collective_rpc("vx_finish")[0]
+            if not self.watch.dead:
+                try:  # commits the last shard; bounded when the run was stopped, and by the engine's life
+                    with self.watch.call("vx_finish", FINISH_WHEN_STOPPED_S if stopped else None):
+                        stats = self.llm.collective_rpc("vx_finish")[0]
+                except EngineDied:
+                    if not stopped:
+                        raise  # else the interruption goes on up
         for sample_id, reason in stats.get("rejected", []):
             if on_reject:
                 on_reject(Sample(sample_id, lines.get(sample_id, 0), [], []), reason)
@@ -169,10 +180,9 @@ class VllmExtractor:
             time.sleep(0.02)
 
     def close(self) -> None:
-        try:
-            stop_engine_core(self.engine)
-        except Exception:
-            pass
+        """Stop the engine (a dead one: only what vLLM's client holds, and any worker left)."""
+        with contextlib.suppress(Exception):
+            stop_engine(self._engine, self.watch)
         self.reaper.stop()
 
 

@@ -24,7 +24,7 @@ class VxWorkerExtension:
         chunk_rows: the driver's capture_budget for this engine's step (vx/engine/capture.py)."""
         from vx.engine.capture import CaptureSink
         from vx.engine.connector import worker_connector
-        from vx.engine.reaper import require_driver
+        from vx.engine.reaper import commit_guard
         from vx.store.writer import ShardWriter
 
         conn = worker_connector()
@@ -33,7 +33,7 @@ class VxWorkerExtension:
         if conn.sink is not None:
             raise RuntimeError("vx: a capture run is already open in this worker")
         writer = ShardWriter(Path(out_dir), shard_meta, shard_bytes, next_shard, layer_count, hidden_size,
-                             store_dtype, max_local_bytes=max_local_bytes, compress=compress, guard=require_driver)
+                             store_dtype, max_local_bytes=max_local_bytes, compress=compress, guard=commit_guard())
         conn.sink = CaptureSink(writer, store_dtype, conn.kv_cache.device, ring_bytes=ring_bytes,
                                 chunk_rows=chunk_rows)
 

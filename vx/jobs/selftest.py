@@ -190,11 +190,12 @@ def _run_bare(model_dir, samples, work: Path, common: dict) -> float:
     """Bare vLLM prefill (no capture) of the same samples with the same engine settings."""
     from vx.device import engine_env
     from vx.engine.logs import engine_output
+    from vx.engine.liveness import start_watched
     from vx.engine.reaper import Reaper
     from vx.engine.vllm_engine import (
         engine_kwargs,
         prompt_ids,
-        stop_engine_core,
+        stop_engine,
         tokens_input,
         warm_up,
     )
@@ -208,8 +209,8 @@ def _run_bare(model_dir, samples, work: Path, common: dict) -> float:
         with engine_output(work / "logs" / "vllm-bare.log"):
             from vllm import LLM, SamplingParams
 
-            llm = LLM(**kwargs)
-        engine = llm.llm_engine
+            llm, watch = start_watched(lambda: LLM(**kwargs), kept="rerun vx selftest")
+        engine = watch.guard(llm.llm_engine)
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         try:
             warm_up(engine, common["max_num_batched_tokens"], common["max_model_len"], params)
@@ -220,7 +221,7 @@ def _run_bare(model_dir, samples, work: Path, common: dict) -> float:
                 engine.step()
             return time.perf_counter() - t
         finally:
-            stop_engine_core(engine)
+            stop_engine(llm.llm_engine, watch)
     finally:
         reaper.stop()
 

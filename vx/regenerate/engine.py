@@ -51,12 +51,14 @@ def start_engine(cfg, model_dir: Path, log: Path):
 
 def generate(cfg, model_dir, tokenizer, chat, separate, first, convs, out, bar, stats) -> dict:
     """Every conversation in flight in one engine; returns generate_s (first request to last commit)."""
+    from vx.engine.liveness import start_watched
     from vx.engine.reaper import Reaper
-    from vx.engine.vllm_engine import stop_engine_core, tokens_input
+    from vx.engine.vllm_engine import stop_engine, tokens_input
 
     reaper = Reaper.start()  # the engine dies with this process, SIGKILL included
-    try:
-        llm = start_engine(cfg, model_dir, sidecar(out.path, ".vllm.log"))
+    try:  # and this process with its engine: no call waits on a dead one (vx/engine/liveness.py)
+        llm, watch = start_watched(lambda: start_engine(cfg, model_dir, sidecar(out.path, ".vllm.log")),
+                                   kept="committed conversations are kept, rerun the same command to continue")
     except BaseException:
         reaper.stop()
         raise
@@ -64,7 +66,8 @@ def generate(cfg, model_dir, tokenizer, chat, separate, first, convs, out, bar, 
         SamplingParams,  # after the engine start: vLLM's import notices go to its log
     )
 
-    engine = llm.llm_engine
+    raw_engine = llm.llm_engine
+    engine = watch.guard(raw_engine)
     window = 4 * engine.vllm_config.scheduler_config.max_num_seqs  # conversations read ahead
     active: dict[str, Conversation] = {}
 
@@ -81,6 +84,7 @@ def generate(cfg, model_dir, tokenizer, chat, separate, first, convs, out, bar, 
         engine.add_request(f"{conv.id}\x00{k}", tokens_input(ids), params(conv))
 
     def finish(conv: Conversation) -> None:
+        watch.check()  # nothing is committed once the engine is dead
         stats["conversations"] += 1
         if conv.truncated:
             stats["truncated"] += 1
@@ -132,10 +136,11 @@ def generate(cfg, model_dir, tokenizer, chat, separate, first, convs, out, bar, 
             faults.point("after-step")
             if more:
                 more = refill(None)
+        watch.check()
         out.commit()
         t_done = time.perf_counter()  # every conversation written and fsynced; the engine's stop is not generation
     finally:
         with contextlib.suppress(Exception):
-            stop_engine_core(engine)
+            stop_engine(raw_engine, watch)
         reaper.stop()
     return {"generate_s": round(t_done - t_gen, 3)}
