@@ -1,9 +1,11 @@
-"""The real `vx` command, run as a subprocess."""
+"""The real `vx` command, run as a subprocess (and its parser's mistakes in-process)."""
 
 import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 import vx
 from conftest import ROOT
@@ -45,6 +47,19 @@ def test_user_errors_exit_2_with_one_line_and_no_traceback(tmp_path, tiny_model)
     assert r.returncode == 2 and "out of range" in r.stderr and "Traceback" not in r.stderr
     r = vx_cmd("extract", str(tmp_path / "missing.jsonl"))
     assert r.returncode == 2 and "is not a file" in r.stderr
+
+
+@pytest.mark.parametrize("argv", [[], ["extract"], ["regenerate"], ["extract", "d.jsonl", "--bogus"], ["frobnicate"],
+                                  ["extract", "d.jsonl", "--shard-size", "big"]])
+def test_a_mistake_the_parser_catches_prints_help_or_a_usage_line_and_exits_2(argv, capsys):
+    """On every typer the package allows (>= 0.17 vendors click as typer._click: its errors are
+    other classes than click's)."""
+    from vx.cli import main
+
+    assert main(argv) == 2
+    out = capsys.readouterr()
+    assert "Traceback" not in out.out + out.err
+    assert "Usage" in out.out + out.err
 
 
 def test_a_different_layer_set_against_the_same_output_is_refused(tmp_path, tiny_model):

@@ -5,6 +5,7 @@ states within the vLLM-vs-HF bound of test_vllm_backend (bf16 batching differs b
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -53,14 +54,18 @@ def test_2_engines_of_tensor_parallel_2_give_the_single_process_dataset(tmp_path
     assert_same_dataset(vx.open_dataset(out), single_vllm)
 
 
-def test_two_data_parallel_engines_survive_a_killed_worker_and_give_the_single_process_dataset(tmp_path,
+def test_two_data_parallel_engines_survive_a_killed_engine_and_give_the_single_process_dataset(tmp_path,
                                                                                                 single_vllm):
-    """--dp 2, partition 1's worker killed with SIGKILL: the run reports it, the same command
-    finishes that partition only, and the output is the single process's dataset, balanced."""
+    """--dp 2, partition 1's engine core killed with SIGKILL as its 6th sample finishes: its
+    worker ends (exit 3, the engine's pid and signal in its line), the run reports which
+    partition and why, the same command finishes that partition only, and the output is the
+    single process's dataset, balanced. (A killed partition worker is the same path to the
+    launcher: a worker that exits non-zero; test_regen_partitions kills one.)"""
     out = tmp_path / "dp"
     args = (CHAT, "-o", str(out), "--backend", "vllm", "--dp", "2", "--max-num-seqs", "4", "--shard-size", "0.5")
-    r, _ = extract(*args, env={"VX_FAULT": "after-step:6", "VX_FAULT_PARTITION": "1"})
-    assert r.returncode == 1 and "1 of 2 partitions failed: partition 1 (exit -9" in r.stderr, r.stderr[-2000:]
+    r, _ = extract(*args, env={"VX_FAULT": "engine-sample:6", "VX_FAULT_PARTITION": "1"})
+    assert r.returncode == 1 and "1 of 2 partitions failed: partition 1 (exit 3" in r.stderr, r.stderr[-2000:]
+    assert re.search(r"the vLLM engine \(pid \d+\) died: killed by SIGKILL", r.stderr), r.stderr[-2000:]
     assert "rerun the same command" in r.stderr and "Traceback" not in r.stderr
     done_before = vx.open_dataset(out)
     assert 0 < len(done_before) < 64
