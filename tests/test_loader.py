@@ -151,9 +151,25 @@ def test_a_corrupted_s3_shard_is_refused_with_a_clear_error(outputs, s3_copy, tm
     url, client = s3_copy
     shard = vx.open_dataset(outputs["fp8"]).shards[2]["shard"]
     client.put_object(Bucket="vx-out", Key=f"fp8/{shard}", Body=b"not the shard the manifest names")
-    with pytest.raises(VxError, match=f"{shard}: sha256 does not match the manifest"):
+    with pytest.raises(VxError, match=f"{shard}: crc64nvme does not match the manifest"):
         for _ in vx.loader("s3://vx-out/fp8", BUDGET, shuffle=False, endpoint_url=url,
                            cache_dir=str(tmp_path / "cache")):
+            pass
+
+
+def test_a_corrupted_local_shard_is_refused_before_any_of_its_rows_is_read(outputs, tmp_path):
+    import shutil
+
+    from vx.train.shard_cache import ShardCorrupt
+
+    copy = tmp_path / "copy"
+    shutil.copytree(outputs["fp8"], copy)
+    shard = vx.open_dataset(copy).shards[1]["shard"]
+    data = bytearray((copy / shard).read_bytes())
+    data[len(data) // 2] ^= 1  # one bit of one state
+    (copy / shard).write_bytes(data)
+    with pytest.raises(ShardCorrupt, match=f"{shard}: crc64nvme does not match the manifest"):
+        for _ in vx.loader(str(copy), BUDGET, shuffle=False):
             pass
 
 

@@ -132,3 +132,46 @@ def test_zstd_shards_round_trip_bit_exact_and_are_smaller(tmp_path):
         assert torch.equal(ds[sid]["hidden_states"], h) and ds[sid]["input_ids"].tolist() == ids
     # a rerun sees the compressed shard as committed
     assert prepare_output(tmp_path, META, overwrite=False).committed_ids == {s[0] for s in samples}
+
+
+def crc64nvme_reference(data: bytes) -> int:
+    """CRC-64/NVME from its definition (reflected polynomial 0x9a6c9329ac4bc9b5, init and final
+    xor all ones), bit by bit: independent of the awscrt code vx uses."""
+    crc = 0xFFFFFFFFFFFFFFFF
+    for b in data:
+        crc ^= b
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x9A6C9329AC4BC9B5 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFFFFFFFFFF
+
+
+def test_each_shard_has_one_checksum_crc64nvme_as_s3_writes_it_and_older_sha256_records_still_verify(tmp_path):
+    import base64
+    import hashlib
+
+    from test_cli import vx_cmd
+
+    assert crc64nvme_reference(b"123456789") == 0xAE8B14860A799888  # the catalogued check value
+    out = tmp_path / "o"
+    write(out, make(6), shard_bytes=4_000)
+    (out / "vx.json").write_text(json.dumps(dict(META, format="vx-1", num_layers=L, model_type="qwen3_5")))
+    recs = read_manifest(out)
+    for rec in recs:
+        body = (out / rec["shard"]).read_bytes()
+        assert "sha256" not in rec  # one checksum, computed once while writing
+        assert rec["crc64nvme"] == base64.b64encode(crc64nvme_reference(body).to_bytes(8, "big")).decode()
+    assert vx_cmd("verify", str(out), "--samples", "0").returncode == 0
+    # shards committed by an older vx (sha256 records, here the first half) still verify with their sha256
+    with open(out / MANIFEST, "w") as f:
+        for i, rec in enumerate(recs):
+            if i < len(recs) // 2:
+                rec = {k: v for k, v in rec.items() if k != "crc64nvme"}
+                rec["sha256"] = hashlib.sha256((out / rec["shard"]).read_bytes()).hexdigest()
+            f.write(json.dumps(rec) + "\n")
+    assert vx_cmd("verify", str(out), "--samples", "0").returncode == 0
+    for name in (recs[0]["shard"], recs[-1]["shard"]):  # one flipped bit, in an old and in a new record's shard
+        data = bytearray((out / name).read_bytes())
+        data[-3] ^= 1
+        (out / name).write_bytes(data)
+    r = vx_cmd("verify", str(out), "--samples", "0")
+    assert r.returncode == 1 and "2 bad" in r.stdout, r.stdout + r.stderr

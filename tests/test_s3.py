@@ -100,10 +100,18 @@ def test_output_to_s3_holds_a_readable_dataset_and_local_disk_stays_bounded(s3_s
     assert v.returncode == 0, v.stderr[-2000:]
     report = json.loads(v.stdout)
     assert report["ok"] and report["shards_checked"] == s["shards"] and report["samples_checked"] == 3
-    client.put_object(Bucket="vx-out", Key="run1/" + sorted(n for n in names if n.startswith("shard-"))[0],
-                      Body=b"corrupted")  # an object replaced behind vx's back
-    bad = vx_cmd("verify", "s3://vx-out/run1", "--endpoint-url", url, "--samples", "0", env=CREDS)
-    assert bad.returncode == 1 and "1 bad" in bad.stdout
+    shards = sorted(n for n in names if n.startswith("shard-"))
+    client.put_object(Bucket="vx-out", Key="run1/" + shards[0], Body=b"corrupted")  # replaced behind vx's back
+    flipped = bytearray((tmp_path / "copy" / shards[1]).read_bytes())
+    flipped[len(flipped) // 2] ^= 1  # one bit of one state, same size
+    client.put_object(Bucket="vx-out", Key="run1/" + shards[1], Body=bytes(flipped))
+    from s3_faults import FaultyProxy
+
+    with FaultyProxy(int(url.rsplit(":", 1)[1])) as proxy:  # against the checksum S3 computed on receipt
+        bad = vx_cmd("verify", "s3://vx-out/run1", "--endpoint-url", proxy.url, "--samples", "0", env=CREDS)
+    assert bad.returncode == 1 and "2 bad" in bad.stdout, bad.stdout + bad.stderr[-2000:]
+    assert not [p for m, p in proxy.seen if m == "GET" and "shard-" in p], proxy.seen
+    assert len([p for m, p in proxy.seen if m == "HEAD" and "shard-" in p]) == s["shards"]
 
 
 def test_rerun_on_a_fresh_machine_resumes_from_the_s3_manifest(s3_server, tmp_path, tiny_model):

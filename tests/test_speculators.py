@@ -278,7 +278,7 @@ def test_a_corrupt_s3_shard_is_missing_as_on_missing_says(s3_outputs, tmp_path):
     late = tmp_path / "late-index"
     e = vx_cmd("export", "s3://vx-out/fp8", "--endpoint-url", url, "--to", "speculators", "-o", str(late), "--json")
     assert e.returncode == 0 and json.loads(e.stdout)["refused"] == len(bad["sample_ids"]), e.stderr[:3000]
-    assert f"{bad['shard']}: sha256 does not match the manifest" in e.stderr
+    assert f"{bad['shard']}: crc64nvme does not match the manifest" in e.stderr
     try:
         for index, mode in ((dest, "shards"), (dest, "rows"), (late, "rows")):
             transfer = VxTransfer(index, cache_dir=str(tmp_path / mode), s3_read=mode)

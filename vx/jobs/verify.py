@@ -1,6 +1,7 @@
 """`vx verify`: prove an output is intact and right.
 
-1. Every committed shard's size and sha256 match the manifest.
+1. Every committed shard's size and checksum match the manifest (CRC64-NVME, or an older
+   output's sha256); on S3 the checksum S3 computed on receipt, by HEAD requests only.
 2. N random committed samples are recomputed with the HF reference (batch 1, hooks; fp32 when it
    fits this machine's free memory, else bf16: vx/engine/reference.py) on the model recorded in vx.json
    (or --model) and compared per layer: cosine and max |diff| against the reference's bound.
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vx.errors import UsageError
-from vx.store.format import sha256_file
+from vx.store import checksum
 from vx.store.reader import open_dataset
 from vx.store.stream import Stream
 
@@ -80,13 +81,13 @@ def _verify(out: Path, model, samples, min_cosine, seed, device, remote=None) ->
         report.shards_checked += 1
         if client is not None:
             try:
-                head = client.head_object(Bucket=target.bucket, Key=target.key(rec["shard"]))
-                ok = head["ContentLength"] == rec["bytes"] and head.get("Metadata", {}).get("sha256") == rec["sha256"]
+                # the checksum S3 computed on receipt: a HEAD, no body downloaded
+                ok = checksum.head_ok(checksum.head(client, target.bucket, target.key(rec["shard"])), rec)
             except Exception:
                 ok = False
         else:
             path = out / rec["shard"]
-            ok = path.exists() and path.stat().st_size == rec["bytes"] and sha256_file(path) == rec["sha256"]
+            ok = path.exists() and path.stat().st_size == rec["bytes"] and checksum.file_ok(path, rec)
         if not ok:
             report.bad_shards.append(rec["shard"])
     if samples <= 0 or not len(ds) or report.dropped_shards == len(ds.shards):
@@ -109,7 +110,7 @@ def _verify(out: Path, model, samples, min_cosine, seed, device, remote=None) ->
             if not path.exists():
                 path.parent.mkdir(parents=True, exist_ok=True)
                 client.download_file(target.bucket, target.key(rec["shard"]), str(path))
-                if sha256_file(path) != rec["sha256"] and rec["shard"] not in report.bad_shards:
+                if not checksum.file_ok(path, rec) and rec["shard"] not in report.bad_shards:
                     report.bad_shards.append(rec["shard"])
         item = ds[i]
         report.samples += ref.check(item["id"], item["input_ids"].tolist(), item["hidden_states"])

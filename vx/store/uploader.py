@@ -2,7 +2,7 @@
 
 The shard writer commits shards locally (manifest line = commit). The uploader, a thread in the
 driver process, tails the local manifest and for each committed shard: multipart upload through
-boto3's transfer manager (S3 checks each part's CRC), verify size and the manifest sha256 (kept
+boto3's transfer manager (S3 checks each part's CRC), verify size and the manifest's CRC64-NVME (kept
 as object metadata), record it in the S3 manifest (flushed every few seconds and at the end),
 and only after that flush delete the local file (unless --keep-local). The S3 prefix then holds
 the layout of a local output directory: shards, manifest.jsonl, errors.jsonl, vx.json.
@@ -22,6 +22,7 @@ from pathlib import Path
 
 from vx import faults
 from vx.errors import VxError
+from vx.store import checksum
 from vx.s3_client import S3Target, make_client
 from vx.store.format import ERRORS, MANIFEST, RUN_META
 from vx.store.s3 import remote_manifest
@@ -133,13 +134,12 @@ class Uploader:
         key = self.target.key(rec["shard"])
         t = time.perf_counter()
         faults.point("before-upload")
+        # S3 checks the body against the manifest's CRC64-NVME on receipt and stores it (full object)
         self.client.upload_file(str(path), self.target.bucket, key, Config=self.transfer,
-                                ExtraArgs={"Metadata": {"sha256": rec["sha256"]}},
-                                Callback=lambda _: faults.point("mid-upload"))
+                                ExtraArgs=checksum.upload_args(rec), Callback=lambda _: faults.point("mid-upload"))
         faults.point("after-upload")
-        head = self.client.head_object(Bucket=self.target.bucket, Key=key)
-        if head["ContentLength"] != rec["bytes"] or head.get("Metadata", {}).get("sha256") != rec["sha256"]:
-            raise VxError(f"{key}: uploaded object does not match the manifest (size or sha256)")
+        if not checksum.head_ok(checksum.head(self.client, self.target.bucket, key), rec):
+            raise VxError(f"{key}: uploaded object does not match the manifest (size or {checksum.which(rec)})")
         self.seconds += time.perf_counter() - t
         self.bytes += rec["bytes"]
         self.uploaded.append(rec)

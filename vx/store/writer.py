@@ -20,6 +20,7 @@ import torch
 
 from vx import faults
 from vx.errors import VxError
+from vx.store.checksum import ALGO
 from vx.store.encoding import SampleRejected, bytes_per_token, check_states, encode
 from vx.store.format import (
     MANIFEST,
@@ -244,7 +245,7 @@ class ShardWriter:
                   "loss_mask": [s.tokens], "offsets": [len(lengths) + 1]}
         if s.scales:
             tensors["hidden_scales"], shapes["hidden_scales"] = s.scales, [s.tokens, self.layer_count]
-        nbytes, sha = write_safetensors(tmp, tensors, shapes, meta, self.compress)
+        nbytes, crc = write_safetensors(tmp, tensors, shapes, meta, self.compress)
         faults.point("before-rename")
         os.rename(tmp, self.out_dir / name)
         fsync_dir(self.out_dir)
@@ -252,7 +253,7 @@ class ShardWriter:
         if self.guard is not None:
             self.guard()
         record = {"shard": name, "sample_ids": s.ids, "num_samples": len(s.ids), "num_tokens": s.tokens,
-                  "sample_tokens": lengths, "bytes": nbytes, "sha256": sha}
+                  "sample_tokens": lengths, "bytes": nbytes, ALGO: crc}
         with open(self.out_dir / MANIFEST, "a") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()

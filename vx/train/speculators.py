@@ -12,9 +12,9 @@ speculators counts the embedding as layer 0 (its id j is HF `hidden_states[j]`),
   the Arrow index and `vx-source.json`, which says where the output is and which vx layers the
   backend hands out, in speculators' order.
 - the `vx` backend (`--hidden-states-backend vx`). A local output: rows are zero-copy views of
-  the mapped shards, each shard's sha256 checked against its manifest the first time a row of it
+  the mapped shards, each shard's checksum checked against its manifest the first time a row of it
   is read. An S3 output (`--vx-s3-read`): `shards` fetches whole shards into the bounded,
-  sha256-checked cache vx.loader uses (`--vx-cache-gb` per rank, split among its DataLoader
+  checksummed cache vx.loader uses (`--vx-cache-gb` per rank, split among its DataLoader
   workers; each shard is fetched once when the cache holds the output), `rows` reads each row by
   ranged GETs of its bytes alone and checks them against the digest the export made (no disk;
   speculators shuffles over the whole dataset, so a cache smaller than the output would fetch a
@@ -36,7 +36,7 @@ import torch
 
 from vx.errors import UsageError, VxError
 from vx.store.encoding import decode
-from vx.store.format import sha256_file
+from vx.store import checksum
 from vx.store.reader import open_dataset
 from vx.store.remote_rows import RemoteRows
 from vx.train.epoch_plan import Catalog
@@ -51,7 +51,7 @@ except ImportError as e:  # pragma: no cover - the extra is not installed
 
 class VxTransfer(HiddenStatesTransfer):
     """Rows of a speculators Arrow index exported by vx, read from the vx output it points at:
-    mapped in place from a directory; from S3 through the bounded, sha256-checked shard cache
+    mapped in place from a directory; from S3 through the bounded, checksummed shard cache
     vx.loader uses (one per reader: a rank's DataLoader worker gets cache_gb / workers)."""
 
     def __init__(self, data_path: str | Path, cache_dir: str | None = None, cache_gb: float = 20.0,
@@ -131,11 +131,11 @@ class VxTransfer(HiddenStatesTransfer):
             print(f"vx: {why}; its samples are missing", file=sys.stderr)
 
     def _checked(self, s: int) -> bool:
-        """Whether shard s matches its manifest's sha256 (hashed once, on first use)."""
+        """Whether shard s matches its manifest's checksum (checked once, on first use)."""
         if s not in self._shard_ok:
             rec = self._ds.shards[s]
-            if sha256_file(self._ds.path / rec["shard"]) != rec["sha256"]:
-                self._refuse(s, f"{rec['shard']}: sha256 does not match the manifest")
+            if not checksum.file_ok(self._ds.path / rec["shard"], rec):
+                self._refuse(s, f"{rec['shard']}: {checksum.which(rec)} does not match the manifest")
             self._shard_ok.setdefault(s, True)
         return self._shard_ok[s]
 
@@ -164,7 +164,7 @@ class VxTransfer(HiddenStatesTransfer):
             got = self._rows.get(cat.shards[s]["shard"], a, a + n, digest) if digest else None
             if got is None:
                 print(f"vx: {cat.shards[s]['shard']} row {row}: " + ("its bytes do not match the digest made when it "
-                      "was indexed" if digest else "its shard failed its sha256 when indexed") + "; the sample is "
+                      "was indexed" if digest else "its shard failed its checksum when indexed") + "; the sample is "
                       "missing", file=sys.stderr)
                 return None
             return {"hidden_states": got["hidden_states"][:, self._pos], "token_ids": got["input_ids"].long()}

@@ -3,11 +3,11 @@
 The index holds, per sample, `input_ids`, `loss_mask`, `seq_len` (what speculators' `ArrowDataset`
 loads) and where the sample lives (`vx_id`, `vx_shard`, `vx_row`); `vx-source.json` beside it
 says where the output is and which vx layers the backend (vx/train/speculators.py) hands out, in
-speculators' order. A local output is indexed from its ids and masks alone (each shard's sha256
+speculators' order. A local output is indexed from its ids and masks alone (each shard's checksum
 is checked when the backend first reads it). An S3 output is read once, a shard at a time (a few
-ahead, each checked against its sha256), to give each row its own digest (`vx_offset`,
+ahead, each checked against its checksum), to give each row its own digest (`vx_offset`,
 `vx_sha256`): the backend can then read a row by ranged GETs of its bytes alone and check it.
-A shard that fails its sha256 keeps its rows in the index without a digest: they are missing
+A shard that fails its checksum keeps its rows in the index without a digest: they are missing
 when read, and speculators' --on-missing decides.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from vx.errors import UsageError
-from vx.store.format import sha256_file
+from vx.store import checksum
 from vx.store.reader import ShardFile
 from vx.store.remote_rows import row_digest
 from vx.train.epoch_plan import Catalog
@@ -70,7 +70,7 @@ def export(output: str | Path, dest: str | Path, target: list[int] | None = None
             if not ok:
                 n = int(cat.start[s + 1] - cat.start[s])
                 count["refused"] += n
-                print(f"vx: {rec['shard']}: sha256 does not match the manifest; its {n} samples are missing",
+                print(f"vx: {rec['shard']}: {checksum.which(rec)} does not match the manifest; its {n} samples are missing",
                       file=sys.stderr)
                 f = _tokens_only(cat, s)
             t = {n: f.tensor(n) for n in ("input_ids", "loss_mask", "offsets", "hidden_states", "hidden_scales")
@@ -104,7 +104,7 @@ def export(output: str | Path, dest: str | Path, target: list[int] | None = None
 
 def _shard_files(cat: Catalog, endpoint_url: str | None):
     """(index, record, ShardFile) of each shard, in order. A local shard is mapped in place (its
-    sha256 is checked when the backend first reads it); an S3 shard is downloaded whole, a few
+    checksum is checked when the backend first reads it); an S3 shard is downloaded whole, a few
     ahead, and checked: a file that fails comes back as None."""
     if not cat.remote:
         for s, rec in enumerate(cat.shards):
@@ -118,7 +118,7 @@ def _shard_files(cat: Catalog, endpoint_url: str | None):
 
     def fetch(rec, tmp: Path) -> bool:
         client.download_file(where.bucket, where.key(rec["shard"]), str(tmp))
-        return sha256_file(tmp) == rec["sha256"]
+        return checksum.file_ok(tmp, rec)
 
     with tempfile.TemporaryDirectory(prefix="vx-export-") as d, ThreadPoolExecutor(2) as pool:
         files = [Path(d) / f"{s}-{Path(rec['shard']).name}" for s, rec in enumerate(cat.shards)]
