@@ -1,7 +1,7 @@
 """speculators (vLLM's drafter trainer) trains on a vx output in place, with its own code: its
 layer rules agree with vx's presets, its ArrowDataset reads rows through vx's backend equal to
 vx.open_dataset's, its collate function, DFlash model and loss train a drafter on CPU (the loop
-around them mirrors its Trainer, which needs a CUDA device), and a shard that fails its sha256 is
+around them mirrors its Trainer, which needs a CUDA device), and a shard that fails its checksum is
 handled by its --on-missing policy; the same from an S3 output (moto over HTTP), its shards read
 through a bounded, checked cache. No state is copied: the export holds ids and masks only."""
 
@@ -150,7 +150,7 @@ def test_a_dflash_drafter_trains_with_speculators_code_and_its_loss_falls(export
     assert sum(losses[-5:]) / 5 < 0.95 * sum(losses[:5]) / 5, losses
 
 
-def test_a_shard_failing_its_sha256_is_missing_as_on_missing_says(exported, tmp_path):
+def test_a_shard_failing_its_checksum_is_missing_as_on_missing_says(exported, tmp_path):
     from speculators.train.data import ArrowDataset
     from speculators.train.recovery import SampleUnavailable
 
@@ -264,7 +264,7 @@ def test_a_dflash_drafter_trains_from_an_s3_output(s3_outputs, tiny_model, tmp_p
 
 
 def test_a_corrupt_s3_shard_is_missing_as_on_missing_says(s3_outputs, tmp_path):
-    """Replaced after the export (found by the shard's sha256 or the rows' digests), or before it
+    """Replaced after the export (found by the shard's checksum or the rows' digests), or before it
     (the export refuses the shard): exactly its samples are missing."""
     from speculators.train.data import ArrowDataset
     from speculators.train.recovery import SampleUnavailable

@@ -1,0 +1,212 @@
+"""Host headroom: what vx's own worker-side path costs per GB of states, with no model.
+
+Synthetic captured rows (a 27B-shaped target: 5 layers x 5120, 512-token samples) go through the
+host side of vx's GPU capture path as the engine's worker runs it (the copy out of the pinned
+ring, the check of the token flags the device computed with the encoding, then pack, checksum,
+write, fsync, commit), locally (tmpfs and the disk, beside
+a raw sequential write of the same bytes) and to S3 (vx's uploader to a moto server over HTTP in
+another process, so its CPU is not counted here). For each: sustained GB/s of states through one
+process (GB of bf16 states, what the GPU produced; fp8 writes about half), and CPU per GB: user (vx's own work) apart from system (the write and fsync system
+calls, the page cache copy). Beside them, what one GPU needs at its compute limit for a
+Qwen3.6-27B and a Qwen3.5-4B-class target, and the host cores 8 such GPUs need.
+
+    python bench/headroom.py [--gb 2] [--dir /path/on/the/output/disk]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+LAYERS, HIDDEN, TOKENS = 5, 5120, 512
+# bf16 dense tensor peaks (vendor datasheets): H200 SXM 989 TFLOPS; RTX PRO 6000 Blackwell ~504 TFLOPS
+PEAKS = {"H200": 989e12, "RTX PRO 6000": 504e12}
+# (active params, hidden, captured layers): prefill costs ~2 x params FLOPs per token
+TARGETS = {"Qwen3.6-27B": (27e9, 5120, 5), "Qwen3.5-4B-class": (4e9, 2560, 5)}
+MFU = 0.8  # a good prefill MFU; at 100% the needs are 1.25x these
+
+
+def cpu() -> tuple[float, float]:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime, r.ru_stime
+
+
+def measured(fn):
+    u0, s0 = cpu()
+    t = time.perf_counter()
+    nbytes = fn()
+    wall = time.perf_counter() - t
+    u1, s1 = cpu()
+    gb = nbytes / 1e9
+    return {"gb": round(gb, 3), "wall_s": round(wall, 3), "gb_s": round(gb / wall, 3),
+            "user_core_s_per_gb": round((u1 - u0) / gb, 4), "sys_core_s_per_gb": round((s1 - s0) / gb, 4)}
+
+
+def raw_write(path: Path, total: int, chunk: int = 8 << 20) -> int:
+    buf = os.urandom(chunk)
+    with open(path, "wb") as f:
+        for _ in range(total // chunk):
+            f.write(buf)
+        f.flush()
+        os.fsync(f.fileno())
+    path.unlink()
+    return total // chunk * chunk
+
+
+_SAMPLE: dict = {}
+
+
+def sample(dtype: str):
+    """One captured sample as the GPU hands it to the host: (stored [T, L, H] in the store dtype,
+    fp8 scales [T, L] or None, finite [T], zero [T, L]), computed on the device there (vx's
+    prepare(): one min/max pass and the encoding); made once here, outside what is measured."""
+    import torch
+
+    from vx.store.encoding import prepare
+
+    if dtype not in _SAMPLE:
+        rows = (torch.randn(TOKENS, LAYERS, HIDDEN, generator=torch.Generator().manual_seed(0)) * 3).to(torch.bfloat16)
+        _SAMPLE[dtype] = prepare(rows, dtype)
+    return _SAMPLE[dtype]
+
+
+def writer_run(out: Path, total: int, dtype: str, shard_mb: int, uploader=None) -> int:
+    """The host side of vx's GPU capture path per sample (vx/engine/capture.py _take): the copy
+    out of the pinned ring slot, the check of the device's token flags, then the ShardWriter
+    (pack, checksum, write, fsync, commit) and, with an uploader, the upload. Returns the bf16
+    states bytes this stands for (what the GPU produced)."""
+    from vx.store.encoding import flags_problem
+    from vx.store.writer import ShardWriter
+
+    stored, scales, finite, zero = sample(dtype)
+    per = TOKENS * LAYERS * HIDDEN * 2
+    writer = ShardWriter(out, {"model": "bench"}, shard_mb << 20, 0, LAYERS, HIDDEN, dtype)
+    ids, mask = list(range(TOKENS)), bytes([1]) * TOKENS
+    n = max(1, total // per)
+    for i in range(n):
+        if flags_problem(finite, zero):
+            raise RuntimeError("the synthetic states failed vx's checks")
+        writer.add_encoded(str(i), ids, mask, stored.clone(), scales.clone() if scales is not None else None)
+    writer.close()
+    if uploader is not None:
+        uploader.finish()
+    return n * per
+
+
+def s3_run(root: Path, total: int, dtype: str, shard_mb: int) -> dict:
+    import boto3
+
+    from vx.s3_client import parse_s3_url
+    from vx.store.uploader import Uploader
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
+    try:
+        client = boto3.client("s3", endpoint_url=url)
+        deadline = time.time() + 60
+        while True:
+            try:
+                client.create_bucket(Bucket="vx-bench")
+                break
+            except Exception:
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.3)
+        out = root / f"s3-{dtype}"
+        out.mkdir()
+        up = Uploader(out, parse_s3_url("s3://vx-bench/run"), url).start()
+        return measured(lambda: writer_run(out, total, dtype, shard_mb, up))
+    finally:
+        server.kill()
+        server.wait()
+
+
+def checksum_rates() -> dict:
+    import hashlib
+
+    from awscrt import checksums
+
+    buf = os.urandom(256 << 20)
+    res = {}
+    for name, fn in (("crc64nvme", lambda: checksums.crc64nvme(buf)), ("sha256", lambda: hashlib.sha256(buf))):
+        best = min(_timed(fn) for _ in range(3))
+        res[f"{name}_gb_s_one_core"] = round(len(buf) / best / 1e9, 2)
+    return res
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def needs(core_s_per_gb: float) -> dict:
+    out = {}
+    for gpu, peak in PEAKS.items():
+        for name, (params, hidden, layers) in TARGETS.items():
+            tok_s = peak * MFU / (2 * params)
+            gb_s = tok_s * layers * hidden * 2 / 1e9
+            out[f"{name} on {gpu}"] = {"states_gb_s_per_gpu": round(gb_s, 2),
+                                       "host_cores_for_8_gpus": round(8 * gb_s * core_s_per_gb, 2)}
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gb", type=float, default=2.0, help="states fed per measurement")
+    ap.add_argument("--shard-mb", type=int, default=256)
+    ap.add_argument("--dir", default=None, help="a folder on the output disk (default: a temp dir)")
+    args = ap.parse_args(argv)
+    total = int(args.gb * 1e9)
+    res = {"checksum": checksum_rates(), "shape": {"layers": LAYERS, "hidden": HIDDEN, "tokens_per_sample": TOKENS},
+           "runs": {}}
+    places = {"disk": Path(tempfile.mkdtemp(prefix="vx-headroom-", dir=args.dir))}
+    if Path("/dev/shm").is_dir() and shutil.disk_usage("/dev/shm").free > 3 * total:
+        places["tmpfs"] = Path(tempfile.mkdtemp(prefix="vx-headroom-", dir="/dev/shm"))
+    sample("bf16"), sample("fp8")  # and the imports, before anything is measured
+    import vx.store.uploader  # noqa: F401
+    import vx.store.writer  # noqa: F401
+    try:
+        for where, root in places.items():
+            res["runs"][f"raw_write_{where}"] = measured(lambda: raw_write(root / "raw.bin", total))
+            for dtype in ("bf16", "fp8"):
+                out = root / f"{where}-{dtype}"
+                out.mkdir()
+                res["runs"][f"vx_{dtype}_{where}"] = measured(lambda: writer_run(out, total, dtype, args.shard_mb))
+                shutil.rmtree(out)
+        for dtype in ("bf16", "fp8"):
+            res["runs"][f"vx_{dtype}_s3_moto_http"] = s3_run(places["disk"], total, dtype, args.shard_mb)
+    finally:
+        for root in places.values():
+            shutil.rmtree(root, ignore_errors=True)
+    local = max(r["user_core_s_per_gb"] for k, r in res["runs"].items() if k.startswith("vx_bf16") and "s3" not in k)
+    s3 = res["runs"]["vx_bf16_s3_moto_http"]["user_core_s_per_gb"]
+    res["goal_user_core_s_per_gb_bf16"] = 0.3
+    res["vx_bf16_local_user_core_s_per_gb"] = local
+    res["vx_bf16_s3_user_core_s_per_gb"] = s3  # boto3's HTTP client included
+    res["gpu_needs_at_mfu"] = MFU
+    res["gpu_needs_local"] = needs(local)
+    res["gpu_needs_s3"] = needs(s3)
+    print(json.dumps(res, indent=1))
+    from common import write_result
+
+    print(f"wrote {write_result('headroom', res)}", file=sys.stderr)
+    return res
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
