@@ -74,13 +74,7 @@ def wait_gone(driver_pid: int, within_s: float = 10.0) -> float:
 
 
 def engine_cores(driver: int) -> list[int]:
-    def title(pid):
-        try:
-            return Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            return b""
-
-    return [pid for pid in processes_of(driver) if title(pid).startswith(b"VLLM::EngineCore")]
+    return [pid for pid in processes_of(driver) if _title(pid).startswith(b"VLLM::EngineCore")]
 
 
 def follow(p: subprocess.Popen, until=lambda: False, act=None) -> tuple[float, float | None, str]:
@@ -109,19 +103,46 @@ def assert_one_line(stderr: str, pattern=DIED) -> None:
     assert pattern.match(stderr.strip().splitlines()[-1]), stderr[-3000:]
 
 
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
 def kill9_and_wait(pid: int) -> dict:
-    """SIGKILL, then the moment the process is really gone (a syscall in flight, an fsync, ends
-    first): (when in time_ns, when in monotonic)."""
+    """SIGKILL of an engine core, then the moment it and its vLLM workers (separate processes on
+    CPU; the capture writer runs in one) are really gone (a syscall in flight, an fsync, ends
+    first): (when in time_ns, when in monotonic). The workers must die with their core."""
+    workers = [w for w in _children(pid) if _title(w).startswith(b"VLLM::Worker")]
     os.kill(pid, signal.SIGKILL)
-    while True:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            break
-        if state in ("Z", "X"):
-            break
+    while _alive(pid):
+        time.sleep(0.002)
+    t_core = time.monotonic()
+    while any(_alive(w) for w in workers):
+        assert time.monotonic() - t_core < 1.0, f"vLLM workers {workers} outlived their engine core"
         time.sleep(0.002)
     return {"pid": pid, "ns": time.time_ns(), "t": time.monotonic()}
+
+
+def _title(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry))
+    return found
 
 
 def committed(manifest: Path) -> int:

@@ -101,11 +101,25 @@ def require_driver() -> None:
         os._exit(1)
 
 
+def die_with_parent(sig: int = signal.SIGKILL) -> bool:
+    """Ask the kernel to send sig to this process the moment its parent dies (Linux
+    PR_SET_PDEATHSIG); False where it cannot. Returns False too if the parent is already gone
+    (reparented to init), which the caller checks with os.getppid() == 1 if it matters."""
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(1, int(sig)) == 0  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return False
+
+
 def commit_guard():
     """The check an engine process's writer runs before each commit, made when its run opens:
     the driver is alive, and so is this process's parent (for a tensor-parallel worker, the
-    engine core: a worker orphaned by its core's death must not commit either)."""
+    engine core: a worker orphaned by its core's death must not commit either). The kernel also
+    kills this process the moment its parent dies, so no commit can start in between."""
     parent = os.getppid()
+    die_with_parent()
 
     def check() -> None:
         require_driver()

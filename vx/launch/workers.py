@@ -173,11 +173,9 @@ def last_line(log: Path) -> str:
 def _die_with_parent() -> None:
     """A worker whose launcher (or Ray task) is gone must not keep writing its partition beside a
     retry of it: the kernel kills it with its parent (Linux prctl PR_SET_PDEATHSIG)."""
-    import ctypes
+    from vx.engine.reaper import die_with_parent
 
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
+    if not die_with_parent(signal.SIGKILL):
         return
     parent = os.environ.get("VX_PARENT_PID")
     if parent and os.getppid() != int(parent):  # the parent died before the call
