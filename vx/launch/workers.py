@@ -173,9 +173,11 @@ def last_line(log: Path) -> str:
 def _die_with_parent() -> None:
     """A worker whose launcher (or Ray task) is gone must not keep writing its partition beside a
     retry of it: the kernel kills it with its parent (Linux prctl PR_SET_PDEATHSIG)."""
-    from vx.engine.reaper import die_with_parent
+    import ctypes
 
-    if not die_with_parent(signal.SIGKILL):
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
         return
     parent = os.environ.get("VX_PARENT_PID")
     if parent and os.getppid() != int(parent):  # the parent died before the call
