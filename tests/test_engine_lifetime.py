@@ -110,11 +110,12 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def kill9_and_wait(pid: int) -> dict:
+def kill9_and_wait(pid: int, writer_in_worker: bool = True) -> dict:
     """SIGKILL of an engine core, then the moment it and its vLLM workers (separate processes on
     CPU; the capture writer runs in one) are really gone (a syscall in flight, an fsync, ends
-    first): (when in time_ns, when in monotonic). The workers must die with their core."""
-    workers = [w for w in _children(pid) if _title(w).startswith(b"VLLM::Worker")]
+    first): (when in time_ns, when in monotonic). Where vx's writer runs in a worker, the workers
+    must die with their core (wait_gone bounds every other process of the run)."""
+    workers = [w for w in _children(pid) if _title(w).startswith(b"VLLM::Worker")] if writer_in_worker else []
     os.kill(pid, signal.SIGKILL)
     while _alive(pid):
         time.sleep(0.002)

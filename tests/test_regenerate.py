@@ -104,7 +104,7 @@ def test_a_killed_driver_or_engine_and_sigterm_to_the_group_then_a_rerun_give_ev
     p = launch(args, cache)  # the engine core killed once this run committed a chunk of its own
     dead = {}
     exited, _, stderr = follow(p, until=lambda: lines() > len(first) + 1,
-                               act=lambda pid: dead.update(kill9_and_wait(pid)))
+                               act=lambda pid: dead.update(kill9_and_wait(pid, writer_in_worker=False)))
     assert p.returncode == 3, stderr[-3000:]
     assert_one_line(stderr)
     assert "committed conversations are kept" in stderr and exited - dead["t"] < BOUND_S

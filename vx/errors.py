@@ -22,9 +22,9 @@ try:
     _CLICKS.append(_typer_click)
 except ImportError:
     pass
-_EXITS = tuple({click.exceptions.Exit, typer.Exit, *(getattr(m, "Exit") for m in _CLICKS if hasattr(m, "Exit"))})
-_ABORTS = tuple({click.exceptions.Abort, typer.Abort, *(getattr(m, "Abort") for m in _CLICKS if hasattr(m, "Abort"))})
-_CLICK_ERRORS = tuple({m.ClickException for m in _CLICKS})
+_EXITS = (click.exceptions.Exit, typer.Exit)  # typer's own Exit and Abort live in typer.exceptions
+_ABORTS = (click.exceptions.Abort, typer.Abort)
+_CLICK_ERRORS = tuple(m.ClickException for m in _CLICKS)
 
 
 class VxError(Exception):

@@ -34,6 +34,7 @@ import threading
 import time
 from pathlib import Path
 
+from vx.engine.reaper import _stat, descendants
 from vx.errors import EngineDied, exit_now
 
 WAKE = signal.SIGUSR2   # unused by vLLM, torch and Python's runtime
@@ -54,13 +55,6 @@ def how_it_ended(code: int | None) -> str:
             name = f"signal {-code}"
         return f"killed by {name}" + (" (out of memory?)" if code == -signal.SIGKILL else "")
     return f"exited with code {code}"
-
-
-def _stat(pid: int) -> tuple[int, str, int] | None:
-    """(parent pid, state, start time) of a live process, or None."""
-    from vx.engine.reaper import _stat
-
-    return _stat(pid)
 
 
 def _title(pid: int) -> bytes:
@@ -94,8 +88,7 @@ class EngineWatch:
         self._depth = 0
         self._call: tuple[str, float | None] | None = None  # (what, deadline) of the current call
         self._late: str | None = None          # a call past its deadline
-        self._stop = threading.Event()
-        self._closed = threading.Event()
+        self._stop = threading.Event()  # close(): the driver stops the engine itself now
         self._main = threading.main_thread().ident if threading.current_thread() is threading.main_thread() else None
         self._old_handler = signal.signal(WAKE, self._on_wake) if self._main else None
         self._thread = threading.Thread(target=self._run, name="vx-engine-watch", daemon=True)
@@ -163,7 +156,6 @@ class EngineWatch:
         """Stop watching (the driver stops the engine itself now). After a death, what is left of
         the engine's processes (its workers) is killed."""
         self._stop.set()
-        self._closed.set()
         if not self.dead and self._thread is not threading.current_thread():
             self._thread.join(timeout=2)
         if self._main and threading.current_thread() is threading.main_thread():
@@ -198,28 +190,29 @@ class EngineWatch:
                 self._stop.wait(TICK_S)
             if self._stop.is_set():
                 return
+            now = time.monotonic()
+            if not ready and now - last_scan >= SCAN_S:
+                last_scan = now
+                self._scan_workers()
+            dead_worker = next((pid for pid, start in list(self._workers.items())
+                                if (st := _stat(pid)) is None or st[1] in ("Z", "X") or st[2] != start), None)
+            if dead_worker is not None and not ready and sentinels:
+                # a worker dies with its core (it asks the kernel to): name the core if that is what died
+                ready = multiprocessing.connection.wait(list(sentinels), timeout=0.5)
             if ready:
                 pid, p = sentinels[ready[0]]
                 code = self._exitcode(p)
                 if not self._attached and code is not None and code >= 0:
                     return  # a start that failed: vLLM raises it with its cause (in the engine's log)
                 return self._lost(f"{self.label} (pid {pid}) died: {how_it_ended(code)}")
-            now = time.monotonic()
-            if now - last_scan >= SCAN_S:
-                last_scan = now
-                self._scan_workers()
-            for pid, start in list(self._workers.items()):
-                st = _stat(pid)
-                if st is None or st[1] in ("Z", "X") or st[2] != start:
-                    return self._lost(f"{self.label}'s worker process (pid {pid}) died")
+            if dead_worker is not None:
+                return self._lost(f"{self.label}'s worker process (pid {dead_worker}) died")
             call = self._call
             if call and call[1] is not None and now > call[1] and self._depth:
                 self._late = f"{self.label} did not answer {call[0]} in time"
                 self._wake()
 
     def _scan_workers(self) -> None:
-        from vx.engine.reaper import descendants
-
         for core in list(self._cores):
             for pid, start in descendants(core).items():
                 if pid not in self._workers and _title(pid).startswith(WORKER_TITLE):
@@ -241,7 +234,7 @@ class EngineWatch:
     def _lost(self, what: str) -> None:
         self.message = f"{what}; {self.kept}"
         self._wake()
-        if not self._closed.wait(self.grace_s):  # backstop: the driver did not get to close()
+        if not self._stop.wait(self.grace_s):  # backstop: the driver did not get to close()
             exit_now(EngineDied(self.message))
 
     def _wake(self) -> None:

@@ -103,8 +103,8 @@ def require_driver() -> None:
 
 def die_with_parent(sig: int = signal.SIGKILL) -> bool:
     """Ask the kernel to send sig to this process the moment its parent dies (Linux
-    PR_SET_PDEATHSIG); False where it cannot. Returns False too if the parent is already gone
-    (reparented to init), which the caller checks with os.getppid() == 1 if it matters."""
+    PR_SET_PDEATHSIG); False where it cannot. A parent already gone is not noticed here: the
+    caller compares os.getppid() with the parent it expects."""
     import ctypes
 
     try:
