@@ -10,6 +10,39 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Every engine a test starts needs well under 1 GiB of KV cache; vLLM's CPU default (0.3 of host
+# memory, written through at start) would be ~7 GB per engine, and the suite runs engines side by side.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+# The suite runs on 2 workers (pytest -n 2, in pyproject.toml): an engine's start is mostly its
+# three processes' imports, one core at a time, so one worker alone leaves a core idle ~40% of the
+# time. Each worker gets its share of the cores (what it starts inherits it), so two tests never
+# spin OpenMP teams on the same cores. A file's tests stay on one worker (module fixtures are built
+# once); files that share a session fixture or a resource share a group.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _WORKER.startswith("gw") and hasattr(os, "sched_setaffinity"):
+    _cores, _n = sorted(os.sched_getaffinity(0)), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if len(_cores) >= _n > 1:
+        _i = int(_WORKER[2:]) % _n
+        _share = _cores[_i * len(_cores) // _n:(_i + 1) * len(_cores) // _n]
+        os.sched_setaffinity(0, _share)
+        os.environ["OMP_NUM_THREADS"] = str(len(_share))
+GROUPS = {"test_cli": "chat-vllm-run", "test_first_run": "chat-vllm-run", "test_scale_out": "chat-vllm-run",
+          "test_ray": "ray", "test_regen_partitions": "ray"}  # one local Ray cluster at a time
+# the longest groups start first, so that no worker is left with one at the end
+FIRST = ["chat-vllm-run", "ray", "test_engine_lifetime", "test_crash_resume", "test_readme_promises",
+         "test_regenerate", "test_s3", "test_follow", "test_selftest"]
+
+
+def pytest_collection_modifyitems(config, items):
+    def group(item) -> str:
+        name = item.module.__name__
+        return GROUPS.get(name, name)
+
+    rank = {g: i for i, g in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(group(item), len(FIRST)))  # stable: file order kept within
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(group(item)))
 
 
 @pytest.fixture(scope="session")

@@ -121,7 +121,7 @@ def kill9_and_wait(pid: int, writer_in_worker: bool = True) -> dict:
         time.sleep(0.002)
     t_core = time.monotonic()
     while any(_alive(w) for w in workers):
-        assert time.monotonic() - t_core < 1.0, f"vLLM workers {workers} outlived their engine core"
+        assert time.monotonic() - t_core < 5.0, f"vLLM workers {workers} outlived their engine core"
         time.sleep(0.002)
     return {"pid": pid, "ns": time.time_ns(), "t": time.monotonic()}
 
