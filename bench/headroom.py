@@ -1,13 +1,16 @@
 """Host headroom: what vx's own worker-side path costs per GB of states, with no model.
 
-Synthetic captured rows (a 27B-shaped target: 5 layers x 5120, 512-token samples) go through the
-host side of vx's GPU capture path as the engine's worker runs it (the copy out of the pinned
-ring, the check of the token flags the device computed with the encoding, then pack, checksum,
-write, fsync, commit), locally (tmpfs and the disk, beside
-a raw sequential write of the same bytes) and to S3 (vx's uploader to a moto server over HTTP in
-another process, so its CPU is not counted here). For each: sustained GB/s of states through one
-process (GB of bf16 states, what the GPU produced; fp8 writes about half), and CPU per GB: user (vx's own work) apart from system (the write and fsync system
-calls, the page cache copy). Beside them, what one GPU needs at its compute limit for a
+Synthetic captured rows (a 27B-shaped target: 5 layers x 5120, 512-token samples, 8,192-token
+steps) go through vx's GPU capture path as the engine's worker runs it, the CPU standing in for
+the GPU: the main thread does the device's share (gather, token flags, encoding, the copy into a
+slot of the ring capture_budget sizes), and the host's share runs as on a GPU node (the intake
+thread checks the flags and hands views of the ring's slots to the shard writer, which packs,
+checksums, writes, fsyncs and commits from the ring). Locally (tmpfs and the disk, beside a raw
+sequential write of the same bytes) and to S3 (vx's uploader to a moto server over HTTP in
+another process, whose CPU is not counted). For each: GB/s of states through one process (GB of
+bf16 states, what the GPU produced; fp8 writes about half; bounded here by the CPU doing the
+GPU's share), and the host's CPU per GB (every thread but the main one): user (vx's own work)
+apart from system (the write and fsync system calls, the page cache copy). Beside them, what one GPU needs at its compute limit for a
 Qwen3.6-27B and a Qwen3.5-4B-class target, and the host cores 8 such GPUs need.
 
     python bench/headroom.py [--gb 2] [--dir /path/on/the/output/disk]
@@ -36,8 +39,11 @@ MFU = 0.8  # a good prefill MFU; at 100% the needs are 1.25x these
 
 
 def cpu() -> tuple[float, float]:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime, r.ru_stime
+    """(user, system) CPU seconds of this process's threads other than the calling one: the
+    host's share of the capture (the intake, the shard writer, the uploader), without the main
+    thread, which stands in for the GPU (the gather, flags, encoding and copy into the ring)."""
+    r, me = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_THREAD)
+    return r.ru_utime - me.ru_utime, r.ru_stime - me.ru_stime
 
 
 def measured(fn):
@@ -52,54 +58,76 @@ def measured(fn):
 
 
 def raw_write(path: Path, total: int, chunk: int = 8 << 20) -> int:
+    """A sequential write of the same bytes from a helper thread (so cpu() counts it too)."""
+    import threading
+
     buf = os.urandom(chunk)
-    with open(path, "wb") as f:
-        for _ in range(total // chunk):
-            f.write(buf)
-        f.flush()
-        os.fsync(f.fileno())
+
+    def write():
+        with open(path, "wb") as f:
+            for _ in range(total // chunk):
+                f.write(buf)
+            f.flush()
+            os.fsync(f.fileno())
+
+    t = threading.Thread(target=write)
+    t.start()
+    t.join()
     path.unlink()
     return total // chunk * chunk
 
 
-_SAMPLE: dict = {}
+STEP = 8192  # tokens per engine step: vx's GPU default
 
 
-def sample(dtype: str):
-    """One captured sample as the GPU hands it to the host: (stored [T, L, H] in the store dtype,
-    fp8 scales [T, L] or None, finite [T], zero [T, L]), computed on the device there (vx's
-    prepare(): one min/max pass and the encoding); made once here, outside what is measured."""
+def step_cache(dtype: str):
+    """A hidden-state cache as vLLM lays it ([blocks, L, block_size, H] bf16) holding one full
+    step of 512-token samples, and the Finished records that point at them."""
     import torch
 
-    from vx.store.encoding import prepare
+    from vx.engine.capture import Finished
 
-    if dtype not in _SAMPLE:
-        rows = (torch.randn(TOKENS, LAYERS, HIDDEN, generator=torch.Generator().manual_seed(0)) * 3).to(torch.bfloat16)
-        _SAMPLE[dtype] = prepare(rows, dtype)
-    return _SAMPLE[dtype]
+    bs, n = 16, STEP // TOKENS
+    g = torch.Generator().manual_seed(0)
+    cache = (torch.randn(n * TOKENS // bs, LAYERS, bs, HIDDEN, generator=g) * 3).to(torch.bfloat16)
+    per = TOKENS // bs
+    return cache, bs, [Finished(f"r{i}", f"s{i}", None, bytes([1]) * TOKENS, list(range(TOKENS)),
+                                list(range(i * per, (i + 1) * per))) for i in range(n)]
 
 
 def writer_run(out: Path, total: int, dtype: str, shard_mb: int, uploader=None) -> int:
-    """The host side of vx's GPU capture path per sample (vx/engine/capture.py _take): the copy
-    out of the pinned ring slot, the check of the device's token flags, then the ShardWriter
-    (pack, checksum, write, fsync, commit) and, with an uploader, the upload. Returns the bf16
-    states bytes this stands for (what the GPU produced)."""
-    from vx.store.encoding import flags_problem
+    """vx's GPU capture path with the CPU in the GPU's place: the main thread submits a full
+    step of finished requests at a time to a CaptureSink staging through its ring (gather,
+    flags, encoding, copy into a slot), as the forward does; the intake thread checks the flags
+    and hands views of the slots to the ShardWriter, whose thread packs, checksums, writes,
+    fsyncs and commits from the ring, then releases the slots. Ring and chunk sizes are those
+    capture_budget gives a 27B target. Returns the bf16 states bytes this stands for."""
+    import dataclasses
+
+    import torch
+
+    from vx.engine.capture import capture_budget
+    from vx.engine.sink import CaptureSink
     from vx.store.writer import ShardWriter
 
-    stored, scales, finite, zero = sample(dtype)
-    per = TOKENS * LAYERS * HIDDEN * 2
+    cache, bs, finished = step_cache(dtype)
+    budget = capture_budget(STEP, LAYERS, HIDDEN, dtype, shard_bytes=shard_mb << 20)
     writer = ShardWriter(out, {"model": "bench"}, shard_mb << 20, 0, LAYERS, HIDDEN, dtype)
-    ids, mask = list(range(TOKENS)), bytes([1]) * TOKENS
-    n = max(1, total // per)
-    for i in range(n):
-        if flags_problem(finite, zero):
-            raise RuntimeError("the synthetic states failed vx's checks")
-        writer.add_encoded(str(i), ids, mask, stored.clone(), scales.clone() if scales is not None else None)
-    writer.close()
+    sink = CaptureSink(writer, dtype, torch.device("cpu"), staging="ring", **budget)
+    step_bytes = STEP * LAYERS * HIDDEN * 2
+    steps = max(1, total // step_bytes)
+    for k in range(steps):
+        sink.submit(cache, [dataclasses.replace(f, sample_id=f"{k}-{f.sample_id}") for f in finished], bs)
+    sink.close()
+    if writer.rejected:
+        raise RuntimeError(f"the synthetic states failed vx's checks: {writer.rejected[0]}")
     if uploader is not None:
         uploader.finish()
-    return n * per
+    _LAST.update(zero_copy_rows=sink.zero_copy_rows, copied_rows=sink.copied_rows, ring_waits=sink.ring_waits)
+    return steps * step_bytes
+
+
+_LAST: dict = {}
 
 
 def s3_run(root: Path, total: int, dtype: str, shard_mb: int) -> dict:
@@ -129,7 +157,7 @@ def s3_run(root: Path, total: int, dtype: str, shard_mb: int) -> dict:
         out = root / f"s3-{dtype}"
         out.mkdir()
         up = Uploader(out, parse_s3_url("s3://vx-bench/run"), url).start()
-        return measured(lambda: writer_run(out, total, dtype, shard_mb, up))
+        return dict(measured(lambda: writer_run(out, total, dtype, shard_mb, up)), **_LAST)
     finally:
         server.kill()
         server.wait()
@@ -177,16 +205,20 @@ def main(argv=None):
     places = {"disk": Path(tempfile.mkdtemp(prefix="vx-headroom-", dir=args.dir))}
     if Path("/dev/shm").is_dir() and shutil.disk_usage("/dev/shm").free > 3 * total:
         places["tmpfs"] = Path(tempfile.mkdtemp(prefix="vx-headroom-", dir="/dev/shm"))
-    sample("bf16"), sample("fp8")  # and the imports, before anything is measured
+    import torch
+
+    torch.set_num_threads(1)  # the GPU's stand-in runs on the main thread alone: an OpenMP team's
+    # threads would be counted as the host's
+    import vx.engine.sink  # noqa: F401  (the imports, before anything is measured)
     import vx.store.uploader  # noqa: F401
-    import vx.store.writer  # noqa: F401
     try:
         for where, root in places.items():
             res["runs"][f"raw_write_{where}"] = measured(lambda: raw_write(root / "raw.bin", total))
             for dtype in ("bf16", "fp8"):
                 out = root / f"{where}-{dtype}"
                 out.mkdir()
-                res["runs"][f"vx_{dtype}_{where}"] = measured(lambda: writer_run(out, total, dtype, args.shard_mb))
+                res["runs"][f"vx_{dtype}_{where}"] = dict(measured(lambda: writer_run(out, total, dtype, args.shard_mb)),
+                                                          **_LAST)
                 shutil.rmtree(out)
         for dtype in ("bf16", "fp8"):
             res["runs"][f"vx_{dtype}_s3_moto_http"] = s3_run(places["disk"], total, dtype, args.shard_mb)

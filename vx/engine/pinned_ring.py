@@ -11,26 +11,39 @@ ALIGN = 64  # bytes; every view carved out of a ring slot starts aligned
 
 
 class PinnedRing:
-    """A FIFO byte arena in pinned host memory: D2H copies land in slots that are reused once the
-    intake thread has copied them out (released in the order they were taken). A request that
-    does not fit waits for releases; one larger than the ring gets a buffer of its own."""
+    """A FIFO byte arena in pinned host memory: D2H copies land in slots, which the shard writer
+    writes from directly (vx/engine/sink.py) and which are reused once released. Slots may be
+    released in any order; space is reused from the oldest live slot on, so a slot released early
+    frees its bytes once every slot taken before it is released too. A request that does not fit
+    waits for releases; one larger than the ring gets a buffer of its own."""
 
     def __init__(self, nbytes: int, pin: bool = True):
         self.capacity = nbytes
         self._pin = pin
         self.arena = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
         self._live: collections.deque = collections.deque()  # (start, end) in allocation order
+        self._freed: set = set()  # live slots released, behind an older slot still held
         self._head = 0  # next free byte
         self._cond = threading.Condition()
         self.waits = 0  # times an allocation had to wait for the writer (backpressure)
 
-    def alloc(self, nbytes: int) -> tuple[torch.Tensor, object]:
-        """A [nbytes] uint8 buffer and the token to release it with."""
+    def alloc(self, nbytes: int, on_wait=None) -> tuple[torch.Tensor, object]:
+        """A [nbytes] uint8 buffer and the token to release it with. on_wait: called once, outside
+        the ring's lock, before the first wait for space (the capture asks its writer to commit
+        the slots it holds)."""
         nbytes = -(-nbytes // ALIGN) * ALIGN
         if nbytes > self.capacity:
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin), None
         with self._cond:
             while (start := self._fit(nbytes)) is None:
+                if on_wait is not None:
+                    self._cond.release()
+                    try:
+                        on_wait()
+                    finally:
+                        self._cond.acquire()
+                    on_wait = None
+                    continue
                 self.waits += 1
                 self._cond.wait()
             self._live.append((start, start + nbytes))
@@ -52,9 +65,11 @@ class PinnedRing:
         if token is None:
             return
         with self._cond:
-            if not self._live or self._live[0] != token:
-                raise RuntimeError("vx: pinned ring slots released out of order")
-            self._live.popleft()
+            if token in self._freed or token not in self._live:
+                raise RuntimeError(f"vx: pinned ring slot {token} released twice or never taken")
+            self._freed.add(token)
+            while self._live and self._live[0] in self._freed:
+                self._freed.discard(self._live.popleft())
             self._cond.notify_all()
 
 
@@ -76,3 +91,33 @@ def carve(buf: torch.Tensor, shapes: list[tuple[tuple[int, ...], torch.dtype]]) 
         out.append(buf[off:off + n].view(dtype).view(shape))
         off += padded
     return out
+
+
+class Hold:
+    """The references to one ring slot: the capture's own while it assembles the slot's rows, and
+    one per sample the shard writer keeps views of until the shard is committed. The slot is
+    released when the last reference is dropped (by whichever thread drops it)."""
+
+    __slots__ = ("_ring", "_token", "_refs", "_lock", "nbytes", "on_free")
+
+    def __init__(self, ring: PinnedRing, token, nbytes: int):
+        self._ring, self._token, self.nbytes = ring, token, nbytes
+        self._refs = 1
+        self._lock = threading.Lock()
+        self.on_free = None  # called with nbytes once the slot is released
+
+    def take(self) -> "Hold":
+        with self._lock:
+            if self._refs <= 0:
+                raise RuntimeError("vx: a released ring slot was referenced again")
+            self._refs += 1
+        return self
+
+    def drop(self) -> None:
+        with self._lock:
+            self._refs -= 1
+            last = self._refs == 0
+        if last:
+            self._ring.release(self._token)
+            if self.on_free is not None:
+                self.on_free(self.nbytes)

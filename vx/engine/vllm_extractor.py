@@ -98,10 +98,11 @@ class VllmExtractor:
             max_in_flight: int | None = None) -> dict:
         """Extract every sample into shards under out_dir. Returns the worker's stats."""
         budget = capture_budget(self.max_num_batched_tokens, len(self.layer_ids), hidden_size, store_dtype,
-                                self.cache_dtype)
+                                self.cache_dtype, shard_bytes=shard_bytes)
         self.llm.collective_rpc("vx_begin", args=(str(out_dir), shard_meta, shard_bytes, next_shard,
                                                   len(self.layer_ids), hidden_size, store_dtype, max_local_bytes,
-                                                  compress, budget["ring_bytes"], budget["chunk_rows"]))
+                                                  compress, budget["ring_bytes"], budget["chunk_rows"],
+                                                  budget["hold_bytes"]))
         cap = max_in_flight or 2 * self.max_num_seqs
         in_flight: dict[str, Sample] = {}
         lines: dict[str, int] = {}  # sample id -> dataset line, for rejections reported at the end

@@ -3,7 +3,7 @@
 Passed to vLLM as `worker_extension_cls="vx.engine.worker.VxWorkerExtension"`; vLLM mixes it into
 its Worker class (V1 runner and Model Runner V2 alike), and the driver calls the `vx_*` methods
 through `collective_rpc`. The capture itself is vx's KV connector (vx/engine/connector.py) and the
-CaptureSink (vx/engine/capture.py); this extension only attaches a sink with a ShardWriter to the
+CaptureSink (vx/engine/sink.py); this extension only attaches a sink with a ShardWriter to the
 connector for one run, reports progress, and closes it. Only tensor-parallel rank 0 writes.
 """
 
@@ -19,10 +19,12 @@ class VxWorkerExtension:
 
     def vx_begin(self, out_dir: str, shard_meta: dict, shard_bytes: int, next_shard: int, layer_count: int,
                  hidden_size: int, store_dtype: str, max_local_bytes: int | None = None,
-                 compress: str | None = None, ring_bytes: int = 1 << 28, chunk_rows: int = 8192) -> None:
-        """Open a ShardWriter and attach it to the capture connector (rank 0 only). ring_bytes and
-        chunk_rows: the driver's capture_budget for this engine's step (vx/engine/capture.py)."""
-        from vx.engine.capture import CaptureSink
+                 compress: str | None = None, ring_bytes: int = 1 << 28, chunk_rows: int = 8192,
+                 hold_bytes: int | None = None) -> None:
+        """Open a ShardWriter and attach it to the capture connector (rank 0 only). ring_bytes,
+        chunk_rows and hold_bytes: the driver's capture_budget for this engine's step and shard
+        size (vx/engine/capture.py)."""
+        from vx.engine.sink import CaptureSink
         from vx.engine.connector import worker_connector
         from vx.engine.reaper import commit_guard
         from vx.store.writer import ShardWriter
@@ -35,7 +37,7 @@ class VxWorkerExtension:
         writer = ShardWriter(Path(out_dir), shard_meta, shard_bytes, next_shard, layer_count, hidden_size,
                              store_dtype, max_local_bytes=max_local_bytes, compress=compress, guard=commit_guard())
         conn.sink = CaptureSink(writer, store_dtype, conn.kv_cache.device, ring_bytes=ring_bytes,
-                                chunk_rows=chunk_rows)
+                                chunk_rows=chunk_rows, hold_bytes=hold_bytes)
 
     def vx_status(self) -> dict:
         """Samples the worker has taken from finished requests so far, and any writer failure."""
@@ -58,7 +60,8 @@ class VxWorkerExtension:
         w = sink.writer
         return {"samples": sink.received, "tokens": sink.tokens, "shards": w.committed_shards,
                 "bytes": w.committed_bytes, "rejected": w.rejected, "peak_local_bytes": w.peak_local_bytes,
-                "ring_waits": sink.ring_waits, "ring_bytes": sink.ring_bytes, "chunk_rows": sink.chunk_rows}
+                "ring_waits": sink.ring_waits, "ring_bytes": sink.ring_bytes, "chunk_rows": sink.chunk_rows,
+                "zero_copy_rows": sink.zero_copy_rows, "copied_rows": sink.copied_rows}
 
     def vx_param_count(self, substring: str) -> int:
         """Parameters of the loaded model whose name contains `substring` (tests: no vision tower)."""

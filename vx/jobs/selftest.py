@@ -183,7 +183,13 @@ def _run_vx(model_dir, layers, samples, info, out: Path, common: dict) -> tuple[
         raise VxError(f"selftest: vx rejected {len(rejected)} samples, first {rejected[0][0]!r}: {rejected[0][1]}")
     return wall, (f"{runner}, {graphs}, step {ex.max_num_batched_tokens:,} tokens, max_model_len "
                   f"{ex.max_model_len:,}, warm-up {ex.warmup_s:.1f}s; capture chunk {stats.get('chunk_rows'):,} "
-                  f"rows, pinned ring {stats.get('ring_bytes', 0) / 2**20:,.0f} MiB")
+                  f"rows, pinned ring {stats.get('ring_bytes', 0) / 2**20:,.0f} MiB, written from it "
+                  f"{_share(stats.get('zero_copy_rows', 0), stats.get('copied_rows', 0))}")
+
+
+def _share(zero_copy: int, copied: int) -> str:
+    """What share of the captured rows the writer wrote straight from the pinned ring."""
+    return "n/a (inline on CPU)" if not zero_copy + copied else f"{zero_copy / (zero_copy + copied):.0%} of rows"
 
 
 def _run_bare(model_dir, samples, work: Path, common: dict) -> float:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from vx import faults
 from vx.errors import UsageError
-from vx.store.writer import try_lock
+from vx.store.lock import try_lock
 
 
 def parts_dir(output: Path) -> Path:

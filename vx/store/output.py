@@ -32,7 +32,7 @@ from vx.store.format import (
     repair_manifest,
     write_manifest,
 )
-from vx.store.writer import live_writer, try_lock
+from vx.store.lock import live_writer, try_lock
 
 # Keys of vx.json that must match for a rerun to continue the same output.
 IDENTITY_KEYS = ("model_fingerprint", "layer_ids", "store_dtype", "hidden_size")

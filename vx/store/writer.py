@@ -7,11 +7,9 @@ whose writer writes a directory holds its writer lock.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import queue
-import socket
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,39 +27,20 @@ from vx.store.format import (
     shard_name,
     write_safetensors,
 )
-
-WRITER_LOCK = ".vx-writer-lock"  # held by the process whose ShardWriter writes into the directory
-
-
-def try_lock(path: Path):
-    """Take an exclusive flock on path without waiting and record who holds it ('pid N on host').
-    Returns (open file, None): held until the file is closed or this process dies; or
-    (None, holder) when a live process holds it."""
-    f = open(path, "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "another process"
-        f.close()
-        return None, holder
-    f.seek(0)
-    f.truncate()
-    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-    f.flush()
-    return f, None
+from vx.store.lock import WRITER_LOCK, try_lock
 
 
-def live_writer(out_dir: Path) -> str | None:
-    """Who holds out_dir's writer lock ('pid N on host'), or None when no live process does. An
-    engine left running by a killed driver still holds it, so a rerun beside it stops at once."""
-    path = Path(out_dir) / WRITER_LOCK
-    if not path.exists():
-        return None
-    f, holder = try_lock(path)
-    if f is not None:
-        f.close()
-    return holder
+def _pieces(x) -> list[torch.Tensor]:
+    return x if isinstance(x, list) else [x]
+
+
+def _rows_shape(x) -> tuple[int, ...]:
+    """The shape of a tensor, or of its rows given in pieces ([t_i, ...] each)."""
+    if not isinstance(x, list):
+        return tuple(x.shape)
+    if not x:
+        return (0,)
+    return (sum(p.shape[0] for p in x), *x[0].shape[1:])
 
 
 @dataclass
@@ -69,13 +48,19 @@ class PendingShard:
     index: int
     ids: list[str] = field(default_factory=list)
     lines: list[int | None] = field(default_factory=list)  # dataset lines, for rejections
-    hidden: list[torch.Tensor] = field(default_factory=list)
-    scales: list[torch.Tensor | None] = field(default_factory=list)  # fp8: [T, L] per sample
+    hidden: list = field(default_factory=list)  # per sample: [T, L, H], or its rows in pieces
+    scales: list = field(default_factory=list)  # fp8: [T, L] (or pieces) per sample, else None
     encoded: list[bool] = field(default_factory=list)  # checked and in the store dtype already
     input_ids: list[torch.Tensor] = field(default_factory=list)
     loss_mask: list[torch.Tensor] = field(default_factory=list)
+    holds: list = field(default_factory=list)  # what the pieces are views of: dropped once written
     tokens: int = 0
     nbytes: int = 0
+
+    def drop_holds(self) -> None:
+        holds, self.holds = self.holds, []
+        for h in holds:
+            h.drop()
 
 
 class ShardWriter:
@@ -126,9 +111,17 @@ class ShardWriter:
         self._append(sample_id, input_ids, loss_mask, hidden, None, False, line)
 
     def add_encoded(self, sample_id: str, input_ids: list[int], loss_mask: bytes | list[int],
-                    stored: torch.Tensor, scales: torch.Tensor | None, line: int | None = None) -> None:
-        """Queue one sample already checked and encoded (vLLM capture: done on the device)."""
-        self._append(sample_id, input_ids, loss_mask, stored, scales, True, line)
+                    stored, scales, line: int | None = None, holds=()) -> None:
+        """Queue one sample already checked and encoded (vLLM capture: done on the device).
+        stored [T, L, H] and scales [T, L] | None, each a tensor or its rows in pieces (views
+        of the capture's pinned ring, written from where they are); holds: the references that
+        keep those views valid, dropped once the shard is written or abandoned."""
+        try:
+            self._append(sample_id, input_ids, loss_mask, stored, scales, True, line, holds)
+        except BaseException:
+            for h in holds:
+                h.drop()
+            raise
 
     def reject(self, sample_id: str, reason: str, line: int | None = None) -> None:
         """Record a sample whose states failed a check made before add (never committed)."""
@@ -136,13 +129,15 @@ class ShardWriter:
         if self.on_reject is not None:
             self.on_reject(sample_id, reason, line)
 
-    def _append(self, sample_id, input_ids, loss_mask, hidden, scales, encoded, line) -> None:
+    def _append(self, sample_id, input_ids, loss_mask, hidden, scales, encoded, line, holds=()) -> None:
         self._raise_if_failed()
         t = len(input_ids)
-        if hidden.shape != (t, self.layer_count, self.hidden_size):
-            raise RuntimeError(f"sample {sample_id}: hidden states {tuple(hidden.shape)} != "
+        shape = _rows_shape(hidden)
+        if shape != (t, self.layer_count, self.hidden_size):
+            raise RuntimeError(f"sample {sample_id}: hidden states {shape} != "
                                f"({t}, {self.layer_count}, {self.hidden_size})")
         s = self.open
+        s.holds.extend(holds)
         s.ids.append(sample_id)
         s.lines.append(line)
         s.hidden.append(hidden)
@@ -157,6 +152,17 @@ class ShardWriter:
         self.added_bytes += nbytes
         if s.nbytes >= self.shard_bytes:
             self._hand_off()
+
+    def flush(self) -> None:
+        """Hand the open shard to the writer thread now, however full (the capture's ring needs
+        the slots it holds back). Called from the thread that adds."""
+        if self.open.ids:
+            self._hand_off()
+
+    @property
+    def thread_id(self) -> int:
+        """The writer thread's native id (benches count its CPU time)."""
+        return self._thread.native_id
 
     def close(self) -> None:
         """Commit the last partial shard and wait for every write to finish (idempotent)."""
@@ -177,6 +183,8 @@ class ShardWriter:
                 self._queue.put(shard, timeout=0.5)
                 return
             except queue.Full:
+                if self._error is not None:
+                    shard.drop_holds()
                 self._raise_if_failed()
 
     @property
@@ -196,6 +204,7 @@ class ShardWriter:
             if shard is None:
                 return
             if self._error is not None:
+                shard.drop_holds()
                 continue
             try:
                 self.commit(shard)
@@ -205,6 +214,8 @@ class ShardWriter:
                                       "command to continue")
             except BaseException as e:  # surfaced to the caller on its next add()/close()
                 self._error = e
+            finally:
+                shard.drop_holds()
 
     def check_and_encode(self, s: PendingShard) -> None:
         """Drop samples whose states fail check_states (reported, never written); encode the rest.
@@ -221,7 +232,8 @@ class ShardWriter:
             keep.append(i)
         s.ids, s.lines = [s.ids[i] for i in keep], [s.lines[i] for i in keep]
         s.input_ids, s.loss_mask = [s.input_ids[i] for i in keep], [s.loss_mask[i] for i in keep]
-        s.hidden, s.scales = [s.hidden[i] for i in keep], [s.scales[i] for i in keep if s.scales[i] is not None]
+        s.hidden = [p for i in keep for p in _pieces(s.hidden[i])]
+        s.scales = [p for i in keep if s.scales[i] is not None for p in _pieces(s.scales[i])]
         s.tokens = sum(len(x) for x in s.input_ids)
         s.nbytes = s.tokens * self._token_bytes
 

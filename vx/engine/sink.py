@@ -1,0 +1,280 @@
+"""The capture hot path on the worker, host side: chunks in the pinned ring -> the shard writer,
+without stalling the forward and without copying the states on the host.
+
+The forward thread stages each chunk (vx/engine/capture.py) into a slot of a pinned ring sized
+by the driver: RING_STEPS full steps for the copies in flight, and a share the writer may hold.
+The intake thread waits for each chunk's event and, once a group is complete, splits it into
+samples, rejects those whose token flags fail and hands the rest to the ShardWriter as views of
+their slots: the writer's thread writes the shard from the ring itself and releases the slots
+once it is committed. A group that would take the writer past its share is copied out of the
+ring instead (a memcpy, the slots freed at once). When the forward finds no room, the writer
+commits its open shard early (its slots are the oldest), so a ring smaller than a shard never
+stalls. On CPU the same device steps run inline on the forward's own threads (a second thread's
+torch ops would start a second OpenMP team on the same cores and slow the forward more than the
+work itself costs). Hidden states never cross vLLM's RPC.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from vx.engine.capture import Finished, capture_chunks, slots_of
+from vx.engine.pinned_ring import Hold, PinnedRing, carve, nbytes
+from vx.store.encoding import flags_problem
+
+
+@dataclass
+class _Group:
+    """The requests finished in one step, their rows assembled on the host chunk by chunk: kept
+    in their ring slots (zero_copy) or copied out of them into host tensors."""
+    finished: list[Finished]
+    rows: int
+    zero_copy: bool = False
+    chunks: list = field(default_factory=list)  # zero_copy: the group's _Chunks, in row order
+    stored: torch.Tensor | None = None  # [sum T, L, H] store dtype
+    scales: torch.Tensor | None = None  # [sum T, L] fp8 only
+    finite: torch.Tensor | None = None  # [sum T]
+    zero: torch.Tensor | None = None    # [sum T, L]
+
+    def put(self, start: int, stored, scales, finite, zero, adopt: bool = False) -> None:
+        """Rows start..start+t of the group (host tensors), copied; adopt: a chunk that is the
+        whole group is kept as it is (the CPU path's own fresh tensors)."""
+        t = stored.shape[0]
+        if adopt and start == 0 and t == self.rows and self.stored is None:
+            self.stored, self.scales, self.finite, self.zero = stored, scales, finite, zero
+            return
+        if self.stored is None:
+            self.stored = stored.new_empty((self.rows, *stored.shape[1:]))
+            self.scales = scales.new_empty((self.rows, *scales.shape[1:])) if scales is not None else None
+            self.finite = finite.new_empty((self.rows,))
+            self.zero = zero.new_empty((self.rows, *zero.shape[1:]))
+        self.stored[start:start + t].copy_(stored)
+        if scales is not None:
+            self.scales[start:start + t].copy_(scales)
+        self.finite[start:start + t].copy_(finite)
+        self.zero[start:start + t].copy_(zero)
+
+    def pieces(self, start: int, end: int, region: int) -> list[torch.Tensor]:
+        """zero_copy: views of rows start..end of one region (0 stored, 1 scales) in the ring."""
+        out = []
+        for c in self.chunks:
+            a, b = max(start, c.start), min(end, c.start + c.rows)
+            if a < b:
+                out.append(c.host[region][a - c.start:b - c.start])
+        return out or [self.chunks[0].host[region][:0]]
+
+    def holds(self, start: int, end: int) -> list[Hold]:
+        return [c.hold for c in self.chunks if max(start, c.start) < min(end, c.start + c.rows)]
+
+
+@dataclass
+class _Chunk:
+    """One chunk of a group in a ring slot, or a group already complete on the host (CPU)."""
+    group: _Group
+    start: int = 0
+    rows: int = 0
+    host: list | None = None  # ring views: stored, scales | None, finite, zero
+    event: object = None      # CUDA event: the copy into the ring slot is done (None: done)
+    hold: Hold | None = None  # the ring slot
+    last: bool = True
+
+
+FLUSH = object()  # queued when the forward waits for ring space: the writer commits what it holds
+
+
+class CaptureSink:
+    """Owns the worker side of one run: staging, checks, encoding and the ShardWriter.
+    chunk_rows, ring_bytes and hold_bytes come from the driver (capture_budget). A GPU stages
+    through the pinned ring; on CPU the device work runs inline, unless staging="ring" (tests and
+    the host-headroom bench run the ring path there, in pageable memory, without streams)."""
+
+    def __init__(self, writer, store_dtype: str, device: torch.device, ring_bytes: int = 1 << 28,
+                 chunk_rows: int = 8192, max_queued: int = 64, hold_bytes: int | None = None,
+                 staging: str = "auto"):
+        if staging not in ("auto", "ring", "inline"):
+            raise ValueError(f"staging must be auto, ring or inline, got {staging!r}")
+        self.writer = writer
+        self.store_dtype = store_dtype
+        self.cuda = device.type == "cuda"
+        self.chunk_rows = max(1, int(chunk_rows))
+        self.ring_bytes = int(ring_bytes)
+        self.hold_bytes = int(ring_bytes // 2 if hold_bytes is None else hold_bytes)
+        self.received = 0  # samples handed to submit()
+        self.tokens = 0
+        self.zero_copy_rows = 0  # rows the writer wrote straight from the ring
+        self.copied_rows = 0     # rows copied out of it (the writer's share was full, or a huge group)
+        ring = staging == "ring" or (staging == "auto" and self.cuda)
+        self._ring = PinnedRing(self.ring_bytes, pin=self.cuda) if ring else None
+        self._stream = torch.cuda.Stream(device) if self.cuda else None
+        self._held = 0  # ring bytes the writer holds
+        self._held_lock = threading.Lock()
+        self._pending: _Group | None = None  # the zero-copy group being assembled
+        self._queue: queue.Queue = queue.Queue(maxsize=max_queued)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._intake, name="vx-capture-intake", daemon=True)
+        self._thread.start()
+
+    @property
+    def host_threads(self) -> list[int]:
+        """Native ids of the threads doing the host's share (the intake and the shard writer)."""
+        return [self._thread.native_id, self.writer.thread_id]
+
+    # ---- forward thread ------------------------------------------------------------------
+    def submit(self, kv_cache: torch.Tensor, finished: list[Finished], block_size: int):
+        """Start capturing these finished requests. Returns a CUDA event that completes when their
+        cache blocks may be reused (None: already free, as on CPU)."""
+        self.received += len(finished)
+        self.tokens += sum(len(f.token_ids) for f in finished)
+        if self._error is not None:  # the writer failed: the driver reports it; free the blocks
+            return None
+        slots = slots_of(finished, block_size)  # [sum T]
+        group = _Group(finished, int(slots.shape[0]))
+        if not group.rows:
+            return None
+        if self._ring is None:  # the same device work, inline: on the forward's own threads, since
+            # a second thread's torch ops would start another OpenMP team on the same cores
+            capture_chunks(kv_cache, slots, self.store_dtype, self.chunk_rows,
+                           lambda *a: group.put(*a, adopt=True))  # copies: blocks free
+            self._queue.put(_Chunk(group))
+            return None
+        if not self.cuda:
+            capture_chunks(kv_cache, slots, self.store_dtype, self.chunk_rows, lambda *a: self._to_ring(group, *a))
+            return None
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream(kv_cache.device))
+        with torch.cuda.stream(stream):
+            slots = slots.pin_memory().to(kv_cache.device, non_blocking=True)
+            capture_chunks(kv_cache, slots, self.store_dtype, self.chunk_rows,
+                           lambda *a: self._to_ring(group, *a, stream=stream))
+            gathered = torch.cuda.Event()  # after the last chunk's gather: the blocks may be reused
+            gathered.record(stream)
+        return gathered
+
+    def _to_ring(self, group, start, stored, scales, finite, zero, stream=None) -> None:
+        """One chunk ([t, L, H], [t, L] | None, [t], [t, L]) copied into a ring slot (async on a GPU)."""
+        regions = [stored, finite, zero] + ([scales] if scales is not None else [])
+        shapes = [(tuple(x.shape), x.dtype) for x in regions]
+        size = nbytes(shapes)
+        buf, token = self._ring.alloc(size, on_wait=self._ask_flush)  # waits while the ring is full
+        host = carve(buf, shapes)
+        for dst, src in zip(host, regions):
+            dst.copy_(src, non_blocking=stream is not None)
+        event = None
+        if stream is not None:
+            event = torch.cuda.Event()
+            event.record(stream)
+        t = stored.shape[0]
+        self._queue.put(_Chunk(group, start, t, [host[0], host[3] if scales is not None else None, host[1], host[2]],
+                               event, Hold(self._ring, token, size), last=start + t == group.rows))
+
+    def _ask_flush(self) -> None:
+        """The ring is full: the writer's open shard may hold the oldest slot, so commit it now
+        (a shard smaller than asked) rather than wait for rows that cannot be staged."""
+        self._queue.put(FLUSH)
+
+    # ---- intake thread -------------------------------------------------------------------
+    def _intake(self) -> None:
+        while (chunk := self._queue.get()) is not None:
+            if chunk is FLUSH:
+                if self._error is None:
+                    try:
+                        self.writer.flush()
+                    except BaseException as e:
+                        self._error = e
+                continue
+            try:
+                if self._error is None:
+                    self._take(chunk)  # consumes the chunk's slot reference, whatever happens
+                elif chunk.hold is not None:
+                    chunk.hold.drop()
+            except BaseException as e:  # reported to the driver by status(); the engine goes on
+                self._error = e
+                self._drop_pending()
+        self._drop_pending()
+
+    def _drop_pending(self) -> None:
+        g, self._pending = self._pending, None
+        for c in g.chunks if g is not None else ():
+            c.hold.drop()
+
+    def _freed(self, n: int) -> None:
+        with self._held_lock:
+            self._held -= n
+
+    def _take(self, c: _Chunk) -> None:
+        g = c.group
+        if c.host is not None:  # a ring slot: wait for its copy, then keep it or copy out of it
+            kept = False
+            try:
+                if c.event is not None:
+                    c.event.synchronize()
+                if c.start == 0:  # the group's first chunk decides for the group
+                    row = c.hold.nbytes / max(1, c.rows)
+                    with self._held_lock:
+                        g.zero_copy = self._held + g.rows * row <= self.hold_bytes
+                if g.zero_copy:
+                    with self._held_lock:
+                        self._held += c.hold.nbytes
+                    c.hold.on_free = self._freed
+                    g.chunks.append(c)
+                    self._pending, kept = g, True
+                else:
+                    g.put(c.start, *c.host)
+                    self.copied_rows += c.rows
+            finally:
+                if not kept:
+                    c.hold.drop()
+        if not c.last:
+            return
+        self._pending = None
+        try:
+            self._emit(g)
+        finally:
+            for ch in g.chunks:  # the intake's own references; the writer's keep the slots
+                ch.hold.drop()
+
+    def _emit(self, g: _Group) -> None:
+        """A complete group: reject samples whose flags fail, hand the rest to the writer."""
+        if g.zero_copy:
+            finite = torch.cat([c.host[2] for c in g.chunks])
+            zero = torch.cat([c.host[3] for c in g.chunks])
+            self.zero_copy_rows += g.rows
+        else:
+            finite, zero = g.finite, g.zero
+        start = 0
+        for f in g.finished:
+            end = start + len(f.token_ids)
+            problem = flags_problem(finite[start:end], zero[start:end])
+            if problem:
+                self.writer.reject(f.sample_id, problem, f.line)
+            elif g.zero_copy:
+                scales = g.pieces(start, end, 1) if g.chunks[0].host[1] is not None else None
+                self.writer.add_encoded(f.sample_id, f.token_ids, f.loss_mask, g.pieces(start, end, 0), scales,
+                                        f.line, holds=[h.take() for h in g.holds(start, end)])
+            else:
+                self.writer.add_encoded(f.sample_id, f.token_ids, f.loss_mask, g.stored[start:end],
+                                        g.scales[start:end] if g.scales is not None else None, f.line)
+            start = end
+
+    # ---- driver RPCs -----------------------------------------------------------------------
+    def error(self) -> str | None:
+        e = self._error or self.writer.error
+        return None if e is None else str(e)
+
+    def close(self) -> None:
+        """Drain the intake, then commit the last shard (raises what failed first)."""
+        self._queue.put(None)
+        self._thread.join()
+        try:
+            self.writer.close()
+        finally:
+            if self._error is not None:
+                raise self._error
+
+    @property
+    def ring_waits(self) -> int:
+        return self._ring.waits if self._ring is not None else 0
