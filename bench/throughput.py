@@ -188,6 +188,8 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=8, help="decoder layers of the bench model")
     ap.add_argument("--modes", default="hf-naive,hf-hooks,vllm-bare,vllm-builtin,vx-vllm")
     ap.add_argument("--compile", default="eager,compiled", help="vLLM passes: eager, compiled, or both")
+    ap.add_argument("--step", type=int, default=None,
+                    help="max_num_batched_tokens of every vLLM contender (default: vx's for the device)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--no-rss-scaling", dest="rss_scaling", action="store_false",
                     help="skip the N vs 10N samples peak-RSS check of vx-vllm")
@@ -225,7 +227,8 @@ def main(argv=None):
     try:
         for i, compile_mode in enumerate(passes):
             engines = vllm_engines(vllm_modes, model_dir, layer_ids, compile_mode == "eager", tmp / "builtin",
-                                   samples[:8]) if vllm_modes else {}
+                                   samples[:8], overrides={"max_num_batched_tokens": args.step} if args.step else None
+                                   ) if vllm_modes else {}
             pass_modes = [m for m in modes if m in engines or (i == 0 and m.startswith("hf-"))]
             try:
                 for rep in range(args.reps):
@@ -278,7 +281,7 @@ def main(argv=None):
               "model": {"path": str(model_dir), "layers": info.num_layers, "hidden": info.hidden_size,
                         "vocab": 248320, "layer_ids": layer_ids},
               "data": length_stats(samples), "matmul_peak_tflops": peak / 1e12, "setup_s": setup_s,
-              "reps": args.reps, "modes": table, "rss_scaling_vx_vllm": scaling}
+              "reps": args.reps, "step_tokens": args.step, "modes": table, "rss_scaling_vx_vllm": scaling}
     print_table(result)
     path = write_result("throughput", result, args.out, device)
     print(f"wrote {path}", file=sys.stderr)

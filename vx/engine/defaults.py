@@ -14,6 +14,10 @@ from dataclasses import dataclass
 
 MAX_NUM_BATCHED_TOKENS = 8192  # a full prefill step: ~25 average (335-token) samples
 MAX_NUM_SEQS = 128             # in flight: 2x what one full step finishes, GDN state still fits
+# On CPU: vLLM's default step is 4,096 tokens. The extract_hidden_states method adds a fixed cost
+# per step (its proposer, the cache-only writes), which 4k-token steps of a small model do not
+# amortise: vx measured 0.86x bare vLLM prefill at 4k and 0.99x at 16k (bench/throughput.py --step)
+CPU_MAX_NUM_BATCHED_TOKENS = 16384
 
 
 def default_budget(max_num_batched_tokens: int | None, max_num_seqs: int | None) -> tuple[int, int]:

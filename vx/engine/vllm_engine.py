@@ -47,7 +47,7 @@ def engine_kwargs(model_dir: Path, layer_ids: list[int], *, on_cpu: bool, vision
     """The engine vx builds: vLLM's extract_hidden_states method + vx's connector + extension.
     `overrides` are further engine arguments (bench: load_format="dummy" for random weights)."""
     from vx.engine.connector import CONNECTOR, MODULE
-    from vx.engine.defaults import default_budget
+    from vx.engine.defaults import CPU_MAX_NUM_BATCHED_TOKENS, default_budget
 
     if gpu_memory_utilization is None:  # on CPU it is the fraction of host memory for vLLM
         gpu_memory_utilization = 0.3 if on_cpu else 0.9
@@ -68,6 +68,8 @@ def engine_kwargs(model_dir: Path, layer_ids: list[int], *, on_cpu: bool, vision
     )
     if not on_cpu:
         max_num_batched_tokens, max_num_seqs = default_budget(max_num_batched_tokens, max_num_seqs)
+    elif not max_num_batched_tokens:
+        max_num_batched_tokens = CPU_MAX_NUM_BATCHED_TOKENS
     if max_model_len:
         kwargs["max_model_len"] = max_model_len
     if max_num_batched_tokens:
