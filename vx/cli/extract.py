@@ -53,6 +53,14 @@ def extract(
     ray: Annotated[bool, typer.Option(help="Run the partitions as Ray tasks on an existing Ray cluster (use -o s3://... so every node writes to the same place).")] = False,
     ray_address: Annotated[Optional[str], typer.Option(help="Ray cluster address. Default: auto (RAY_ADDRESS, or the cluster started on this node).")] = None,
     max_retries: Annotated[int, typer.Option(help="ray: times a failed partition is rescheduled (it resumes from its manifest).")] = 3,
+    regenerate: Annotated[bool, typer.Option(help="One pass: the target first writes every assistant turn (as vx regenerate, into OUT/regenerated.jsonl) and each regenerated conversation's states are captured as soon as it is committed, the two engines running side by side. The generation options below apply.")] = False,
+    turns: Annotated[str, typer.Option(help="--regenerate: all: every assistant turn, in order, on the regenerated history; last: only the final one.")] = "all",
+    temperature: Annotated[float, typer.Option(help="--regenerate: sampling temperature (0: greedy).")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="--regenerate: nucleus sampling.")] = 1.0,
+    top_k: Annotated[int, typer.Option(help="--regenerate: top-k sampling (-1: off).")] = -1,
+    max_tokens: Annotated[int, typer.Option(help="--regenerate: longest generated turn; a turn cut here is marked truncated.")] = 1024,
+    seed: Annotated[Optional[int], typer.Option(help="--regenerate: sampling seed (per turn: seed + a hash of id and turn).")] = None,
+    drop_truncated: Annotated[bool, typer.Option(help="--regenerate: leave out conversations with a turn cut by --max-tokens.")] = False,
     verify: Annotated[int, typer.Option(help="After the run, recompute this many random committed samples with the HF reference on this machine's device (once the engine has released it) and compare every layer; exit 1 below the bound. 0: off.")] = 0,
     progress: Progress = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show vLLM's INFO log live on stderr (it is always written to OUT/logs/).")] = False,
@@ -75,6 +83,8 @@ def extract(
       vx extract chats.jsonl -o s3://bucket/run1 --model /models/big --ray --tensor-parallel-size 2 --num-partitions 64
 
       vx extract chats.jsonl -o s3://bucket/run1 --num-partitions 16 --partition-index $SLURM_ARRAY_TASK_ID
+
+      vx extract prompts.jsonl -o out/ --regenerate --temperature 0.7 --max-tokens 2048
     """
     from vx.data.layers import parse_layer_ids
     from vx.jobs.config import ExtractConfig
@@ -91,8 +101,14 @@ def extract(
         endpoint_url=endpoint_url, max_local_gb=max_local_gb, keep_local=keep_local, retain_gb=retain_gb, compress=compress,
         data_parallel_size=data_parallel_size, gpus=parse_gpus(gpus), num_partitions=num_partitions,
         partition_index=partition_index, ray=ray, ray_address=ray_address, max_retries=max_retries,
+        regenerate=regenerate, turns=turns, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
+        seed=seed, drop_truncated=drop_truncated,
     )
-    if cfg.ray:
+    if cfg.regenerate:
+        from vx.pipeline.one_pass import run_one_pass
+
+        s = run_one_pass(cfg, progress=progress)
+    elif cfg.ray:
         from vx.jobs.ray_cluster import run_ray
 
         s = run_ray(cfg, progress=progress)
@@ -123,6 +139,11 @@ def extract(
 
 def _print_summary(s, report) -> None:
     print(f"output       {s.output}")
+    if s.regenerated:
+        r = s.regenerated
+        print(f"regenerated  {r.get('conversations', 0):,} conversations, {r.get('turns', 0):,} turns, "
+              f"{r.get('generated_tokens', 0):,} tokens generated, {r.get('truncated', 0):,} truncated, "
+              f"{r.get('skipped', 0):,} already committed (OUT/regenerated.jsonl)")
     print(f"backend      {s.backend}")
     print(f"samples      {s.samples:,} extracted, {s.resumed_samples:,} already committed, {s.errors:,} bad records "
           f"(see errors.jsonl)")

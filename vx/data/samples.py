@@ -122,6 +122,9 @@ class Tokenize:
         return str(raw)
 
 
+PENDING = object()  # a following input has no committed row yet (vx/data/follow.py): step and ask again
+
+
 def read_samples(data: Input | str | Path, tokenize, skip_ids: frozenset[str] | set[str] = frozenset(),
                  lines: set[int] | None = None, **reading) -> Iterator[Sample | BadLine]:
     """Stream the input, yielding a Sample or a BadLine for each non-blank row.
@@ -137,6 +140,9 @@ def read_samples(data: Input | str | Path, tokenize, skip_ids: frozenset[str] | 
         tokenize = Tokenize(tokenize, Reading(**reading))
     seen: set[str] = set()
     for row in data.rows():
+        if row is PENDING:
+            yield row
+            continue
         if row.record is None and row.bad is None:
             continue  # a blank line
         sid = None

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from vx import faults
-from vx.data.samples import Sample
+from vx.data.samples import PENDING, Sample
 from vx.engine.capture import capture_budget
 from vx.engine.contract import check_vllm_contract
 from vx.engine.defaults import check_tensor_parallel_pages
@@ -38,6 +38,7 @@ from vx.errors import EngineDied, UsageError, VxError
 DRAIN_TIMEOUT_S = 600.0  # after the last request finished, the worker must have taken every sample
 FINISH_WHEN_STOPPED_S = 5.0  # Ctrl-C / SIGTERM: the worker may commit its last shard this long
 STATUS_EVERY_S = 2.0     # how often the driver asks the worker whether its writer failed
+PENDING_POLL_S = 0.05    # a following input with nothing committed and nothing in flight: wait this long
 
 
 class VllmExtractor:
@@ -120,6 +121,8 @@ class VllmExtractor:
                         if s is None:
                             exhausted = True
                             break
+                        if s is PENDING:  # a following input (vx/data/follow.py): nothing committed yet
+                            break
                         if len(s) >= self.max_model_len:
                             if on_reject:
                                 on_reject(s, f"{len(s)} tokens >= the engine's max_model_len {self.max_model_len}")
@@ -134,6 +137,7 @@ class VllmExtractor:
                 if not in_flight:
                     if exhausted:
                         break
+                    time.sleep(PENDING_POLL_S)  # waiting on a following input, nothing to step
                     continue
                 faults.point("after-step")
                 for out in self.engine.step():

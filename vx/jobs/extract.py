@@ -42,6 +42,7 @@ class Summary:
     max_model_len: int | None = None  # vllm: the engine's longest request (the longest sample + 1)
     partitions: list | None = None  # data parallel / Ray: one summary per partition
     balance: dict | None = None     # tokens per partition and their spread
+    regenerated: dict | None = None  # --regenerate: the regeneration's summary (vx/jobs/one_pass.py)
 
     @property
     def samples_per_s(self) -> float:
@@ -83,7 +84,8 @@ class Job:
     tokenize: Tokenize
 
 
-def prepare_job(cfg: ExtractConfig) -> Job:
+def prepare_job(cfg: ExtractConfig, source=None) -> Job:
+    """source: the input, when it is not cfg.data as read (one-pass: the regeneration followed)."""
     backend = choose_backend(cfg.backend)
     target = None
     if cfg.upload:  # fail fast, before the model loads: endpoint, credentials, bucket, write access
@@ -96,7 +98,7 @@ def prepare_job(cfg: ExtractConfig) -> Job:
     info = model_info(model_dir)
     layer_ids = resolve_layer_ids(cfg.layers, info.num_layers)
     tokenizer = load_tokenizer(model_dir)
-    source = cfg.source()
+    source = source if source is not None else cfg.source()
     tokenize = Tokenize(tokenizer, cfg.reading(), info.vocab_size)
     meta = {
         "format": "vx-1", "vx_version": __version__, "model": str(model_dir), "model_type": info.model_type,
@@ -119,10 +121,11 @@ def prepare_root(cfg: ExtractConfig, job: Job) -> None:
     Output.of(cfg).prepare_root(job.meta, cfg.overwrite)
 
 
-def run_extract(cfg: ExtractConfig, progress: bool | None = None, reporter=None) -> Summary:
-    """One process, one engine: the whole dataset, or one partition of it (cfg.partition_index)."""
+def run_extract(cfg: ExtractConfig, progress: bool | None = None, reporter=None, source=None) -> Summary:
+    """One process, one engine: the whole dataset, or one partition of it (cfg.partition_index).
+    source: another input than cfg.data as read (vx/jobs/one_pass.py follows a regeneration)."""
     t0 = time.perf_counter()
-    job = prepare_job(cfg)
+    job = prepare_job(cfg, source)
     if cfg.strict and not cfg.plan_file:  # a launcher (which hands out plan files) checked it once
         check_dataset(cfg, job)
     root = out = Output.of(cfg)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from vx import faults
 from vx.errors import UsageError
+from vx.data.follow import COMMITTED
 from vx.store.lock import try_lock
 
 
@@ -64,7 +65,14 @@ class RegenOutput:
         if not self.path.exists():
             return set()
         truncate_torn(self.path)
+        self._mark()
         return committed_ids(self.path)
+
+    def _mark(self) -> None:
+        """OUTPUT.committed: the durable size (vx/data/follow.py reads no further), replaced atomically."""
+        tmp = sidecar(self.path, COMMITTED + ".tmp")
+        tmp.write_text(str(self.path.stat().st_size))
+        os.replace(tmp, sidecar(self.path, COMMITTED))
 
     def add(self, record: dict, every: int) -> None:
         self._pending.append(json.dumps(record, ensure_ascii=False).encode() + b"\n")
@@ -76,6 +84,7 @@ class RegenOutput:
             self._f.write(b"".join(self._pending))
             self._f.flush()
             os.fsync(self._f.fileno())
+            self._mark()
             self.written += len(self._pending)
             self._pending.clear()
             faults.point("after-chunk")

@@ -1,0 +1,104 @@
+"""One pass against two: `vx extract PROMPTS -o OUT --regenerate` against `vx regenerate PROMPTS
+-o R.jsonl` followed by `vx extract R.jsonl -o OUT`, run as a user runs them (each command a
+fresh process, engine starts included), same prompts, model, engine settings and sampling.
+
+Reported per contender, medians over interleaved reps (one, two, two, one, ...): end-to-end wall
+time, and the engines' busy time from the commands' own summaries (the regeneration's generate_s,
+the extraction's extract_s). Prompts: the first-turn ShareGPT prompts in ../shared/data/chat
+(exits saying so when absent); model: the tiny random hybrid GDN bench model with the real
+Qwen3.6 vocabulary; greedy, --max-tokens per turn.
+
+    python bench/one_pass.py [--prompts 128] [--max-tokens 128] [--reps 3]
+
+Writes bench/results/one_pass-<device>-<date>-<time>.json (one file per run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import ROOT, bench_model, write_result  # noqa: E402
+
+PROMPTS = ROOT.parent / "shared" / "data" / "chat" / "sharegpt_prompts.jsonl"
+
+
+def vx(*args: str) -> dict:
+    r = subprocess.run([sys.executable, "-m", "vx", *args, "--json"], capture_output=True, text=True, cwd=ROOT)
+    if r.returncode != 0:
+        raise SystemExit(f"vx {' '.join(args)} failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def two_pass(data: Path, work: Path, gen: list[str], model: str) -> dict:
+    t = time.perf_counter()
+    regen = vx("regenerate", str(data), "-o", str(work / "regen.jsonl"), "--model", model, *gen)
+    ex = vx("extract", str(work / "regen.jsonl"), "-o", str(work / "out"), "--model", model, "--backend", "vllm")
+    wall = time.perf_counter() - t
+    return {"wall_s": wall, "generate_s": regen["generate_s"], "extract_s": ex["extract_s"],
+            "samples": ex["samples"], "tokens": ex["tokens"], "generated_tokens": regen["generated_tokens"]}
+
+
+def one_pass(data: Path, work: Path, gen: list[str], model: str) -> dict:
+    t = time.perf_counter()
+    ex = vx("extract", str(data), "-o", str(work / "out"), "--model", model, "--backend", "vllm", "--regenerate", *gen)
+    wall = time.perf_counter() - t
+    return {"wall_s": wall, "generate_s": ex["regenerated"]["generate_s"], "extract_s": ex["extract_s"],
+            "samples": ex["samples"], "tokens": ex["tokens"], "generated_tokens": ex["regenerated"]["generated_tokens"]}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompts", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args(argv)
+    if not PROMPTS.exists():
+        raise SystemExit(f"bench needs {PROMPTS} (shared/ beside the checkout)")
+    model = str(bench_model())
+    rows = [json.loads(x) for x in PROMPTS.read_bytes().split(b"\n") if x.strip()][:args.prompts]
+    gen = ["--max-tokens", str(args.max_tokens), "--turns", "last"]
+    runs: dict[str, list[dict]] = {"one-pass": [], "two-pass": []}
+    with tempfile.TemporaryDirectory(prefix="vx-bench-one-pass-") as tmp:
+        data = Path(tmp) / "prompts.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        for rep in range(args.reps):
+            order = ("one-pass", "two-pass") if rep % 2 == 0 else ("two-pass", "one-pass")
+            for name in order:
+                work = Path(tmp) / f"{name}-{rep}"
+                work.mkdir()
+                r = (one_pass if name == "one-pass" else two_pass)(data, work, gen, model)
+                runs[name].append(r)
+                shutil.rmtree(work)
+                print(f"rep {rep} {name:9s} {r['wall_s']:7.1f}s (generate {r['generate_s']:.1f}s, "
+                      f"extract {r['extract_s']:.1f}s)", file=sys.stderr)
+    table = {}
+    for name, rs in runs.items():
+        table[name] = {k: round(statistics.median(r[k] for r in rs), 2) for k in ("wall_s", "generate_s", "extract_s")}
+        table[name].update(samples=rs[0]["samples"], generated_tokens=rs[0]["generated_tokens"],
+                           wall_s_runs=[round(r["wall_s"], 2) for r in rs])
+    speedup = table["two-pass"]["wall_s"] / table["one-pass"]["wall_s"]
+    per_rep = [round(t["wall_s"] / o["wall_s"], 3) for o, t in zip(runs["one-pass"], runs["two-pass"])]
+    import torch
+
+    result = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+              "cores": len(os.sched_getaffinity(0)), "model": model, "prompts": len(rows),
+              "max_tokens": args.max_tokens, "reps": args.reps, "modes": table,
+              "one_pass_speedup": round(speedup, 3), "one_pass_speedup_per_rep": per_rep}
+    print(json.dumps(result, indent=1))
+    print(f"wrote {write_result('one_pass', result)}", file=sys.stderr)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""`vx extract DATA -o OUT --regenerate`: the target writes the assistant turns and the states of
+the regenerated conversations are captured in the same run, exactly once across a kill -9.
+
+Held against what is independent of vx's code: the conversations the run wrote, rendered by the
+tokenizer's own chat template (transformers' apply_chat_template) for the stored ids, and an fp32
+HF forward with output_hidden_states for the stored states.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import vx
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = [1, 3, 5]
+
+
+def one_pass(out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "vx", "extract", "examples/chat.jsonl", "-o", str(out), "--regenerate",
+            "--backend", "vllm", "--max-tokens", "12", "--temperature", "0.8", "--seed", "7", "--shard-size", "0.05",
+            "--layers", ",".join(map(str, LAYERS)), "--json", *extra]
+
+
+def committed_lines(path: Path) -> int:
+    return sum(1 for line in path.read_bytes().split(b"\n") if line.strip()) if path.exists() else 0
+
+
+def test_a_kill_9_mid_run_then_a_rerun_leaves_every_conversation_once_with_its_own_states(tmp_path, tiny_model,
+                                                                                          tokenizer, fp32_model):
+    out = tmp_path / "out"
+    manifest, regen = out / "manifest.jsonl", out / "regenerated.jsonl"
+    first = subprocess.Popen(one_pass(out), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             start_new_session=True)
+    deadline = time.monotonic() + 900  # two engines start on a loaded machine: wait for events, not seconds
+    while time.monotonic() < deadline and first.poll() is None and committed_lines(manifest) < 2:
+        time.sleep(0.2)
+    assert first.poll() is None, first.communicate()[1].decode()[-3000:]
+    os.killpg(first.pid, signal.SIGKILL)  # the driver, and with it the regeneration and both engines
+    first.wait()
+    captured_before = committed_lines(manifest)
+    assert 0 < captured_before
+
+    r = subprocess.run(one_pass(out), cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(r.stdout)
+    assert summary["regenerated"]["skipped"] > 0  # the rerun continued the conversations already written
+
+    records = [json.loads(line) for line in (ROOT / "examples/chat.jsonl").read_text().splitlines() if line]
+    want = [r["id"] for r in records if "messages" in r or "conversations" in r]  # text records have no turns
+    assert 0 < len(want) < len(records)
+    convs = [json.loads(line) for line in regen.read_text().splitlines() if line.strip()]
+    assert sorted(c["id"] for c in convs) == sorted(want)  # every conversation once in the text
+    ds = vx.open_dataset(out)
+    assert sorted(ds.ids) == sorted(want)  # and once in the states
+    assert len(set(ds.ids)) == len(ds.ids)
+
+    model = fp32_model
+    for c in convs:
+        rendered = tokenizer.apply_chat_template(c["messages"], tokenize=False)
+        ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        rec = ds[c["id"]]
+        assert rec["input_ids"].tolist() == ids, c["id"]  # the rows of the regenerated text, nothing else
+        if c["id"] in want[:6]:  # and those rows' states are the target's, within the product's bound
+            with torch.inference_mode():
+                hs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+            ref = torch.stack([hs[k + 1][0] for k in LAYERS], dim=1)  # [T, L, H]
+            got = rec["hidden_states"].float()
+            for j in range(len(LAYERS)):
+                cos = torch.nn.functional.cosine_similarity(got[:, j].flatten(), ref[:, j].flatten(), dim=0)
+                assert cos >= 0.999, (c["id"], LAYERS[j], float(cos))
+            assert (got.abs().amax(dim=(1, 2)) > 0).all()  # no zero row

@@ -1,0 +1,1 @@
+"""Pipelines that compose the jobs: `vx extract --regenerate` (one_pass.py)."""

@@ -1,0 +1,234 @@
+"""`vx extract DATA -o OUT --regenerate`: the target writes the assistant turns and vx captures
+the final conversations' states, in one command and one run.
+
+The regeneration runs on a plain engine (`vx regenerate`'s, in a child process of this one) and
+the capture on vx's engine here; vx's engine prefills each conversation as soon as the
+regeneration has committed it, following OUT/regenerated.jsonl (vx/data/follow.py), so both
+engines start at once and generation and capture overlap. Why not capture during generation on
+one engine: vLLM's extract_hidden_states method, the contract vx's capture rides, schedules a
+draft position per request per decode step, which made generation 0.22-0.28x as fast on CPU and
+would halve a 27B target's batch on an H200 (docs/performance.md, capture during generation).
+The stored rows are the chat template's rendering of each regenerated conversation, tokenized:
+exactly what `vx extract OUT/regenerated.jsonl` would store.
+
+On CPU the two engines split the cores (the regeneration the first half, the capture the rest);
+on a GPU they share it, each at its own --gpu-memory-utilization (default 0.45 each).
+
+Exactly once: the regeneration commits a conversation (fsynced, then OUT/regenerated.jsonl.committed)
+before the capture may read it, and the capture commits its states with the shard manifest. A
+rerun after a crash anywhere: the regeneration skips the conversations it committed, the capture
+skips the ids it committed and captures the rest: every conversation once in both, its states
+those of its text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from vx.errors import UsageError, VxError
+
+REGENERATED = "regenerated.jsonl"
+GPU_SHARE = 0.45  # each engine's default --gpu-memory-utilization when both share a GPU
+STOP_S = 30.0     # the regeneration's process group gets this long after SIGTERM, then SIGKILL
+
+
+def regen_config(cfg) -> dict:
+    """The RegenConfig the child runs: vx regenerate's options, from the one-pass config."""
+    return {"data": cfg.data, "output": str(Path(cfg.output) / REGENERATED), "model": cfg.model,
+            "turns": cfg.turns, "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
+            "max_tokens": cfg.max_tokens, "seed": cfg.seed, "chat_template": cfg.chat_template,
+            "chat_template_kwargs": cfg.chat_template_kwargs, "messages_field": cfg.messages_field,
+            "id_field": cfg.id_field, "drop_truncated": cfg.drop_truncated, "max_num_seqs": cfg.max_num_seqs,
+            "gpu_memory_utilization": cfg.gpu_memory_utilization, "max_model_len": cfg.max_model_len,
+            "endpoint_url": cfg.endpoint_url, "verbose": False,
+            "tensor_parallel_size": cfg.tensor_parallel_size}
+
+
+TAIL = 16  # the capture engine's max_model_len exceeds the regeneration's by this: a turn cut at the
+# regeneration's limit still gets the template's tail after it
+
+
+def max_model_len(cfg) -> int:
+    """The regeneration engine's max_model_len when none is given: the longest input conversation
+    (its original turns) plus --max-tokens for each assistant turn regenerated, never past the
+    model's own (vLLM's default is the model's, 262,144 for Qwen3.6, and a capture engine refuses
+    to start where one such request does not fit)."""
+    from vx.data.chat import conversation
+    from vx.data.inputs import Input
+    from vx.jobs.extract import engine_max_model_len, prepare_job
+
+    import tempfile
+
+    job = prepare_job(cfg)
+    with tempfile.TemporaryDirectory(prefix="vx-one-pass-plan-") as tmp:  # OUT keeps only the run's files
+        longest = engine_max_model_len(replace(cfg, output=Path(tmp)), job, None) or 2
+    turns = 1
+    if cfg.turns == "all":
+        for row in Input(cfg.data, cfg.endpoint_url).rows():
+            msgs = (row.record or {}).get(cfg.messages_field) or (row.record or {}).get("conversations")
+            if isinstance(msgs, list):
+                try:
+                    turns = max(turns, sum(m["role"] == "assistant" for m in conversation(msgs)))
+                except Exception:
+                    continue
+    want = longest + turns * cfg.max_tokens + TAIL
+    limit = job.info.max_position_embeddings
+    return min(want, limit - TAIL) if limit else want
+
+
+GENERATION = "regenerate.json"  # OUT/regenerate.json: how OUT/regenerated.jsonl was generated
+
+
+def check_generation(cfg, out: Path) -> None:
+    """The generation options are part of the output: a rerun continues only with the same ones
+    (--overwrite starts the conversations over, with the states)."""
+    opts = {k: getattr(cfg, k) for k in ("turns", "temperature", "top_p", "top_k", "max_tokens", "seed",
+                                           "drop_truncated", "chat_template", "chat_template_kwargs", "model")}
+    path = out / GENERATION
+    if cfg.overwrite:
+        for name in (REGENERATED, REGENERATED + ".committed", REGENERATED + ".errors.jsonl", GENERATION):
+            (out / name).unlink(missing_ok=True)
+    elif path.exists():
+        before = json.loads(path.read_text())
+        changed = sorted(k for k in opts if before.get(k) != opts[k])
+        if changed:
+            raise UsageError(f"{out} was regenerated with other {', '.join('--' + k.replace('_', '-') for k in changed)} "
+                             f"({', '.join(f'{k}={before.get(k)!r}' for k in changed)}); rerun with those, or "
+                             "--overwrite to start over")
+    tmp = out / (GENERATION + ".tmp")
+    tmp.write_text(json.dumps(opts, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def core_split() -> tuple[list[int], list[int]] | None:
+    """On CPU: (the regeneration's cores, the capture's). None on a GPU machine."""
+    from vx.device import cuda_available
+
+    if cuda_available():
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    half = max(1, len(cores) // 2)
+    return cores[:half], cores[half:] or cores
+
+
+def pin_env(cores: list[int]) -> dict[str, str]:
+    return {"VX_CPU_CORES": ",".join(map(str, cores)), "OMP_NUM_THREADS": str(len(cores)),
+            "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))}
+
+
+class Regeneration:
+    """The child process that regenerates into OUT/regenerated.jsonl (its own session, dying with
+    this process); finished() for the following input: True once it exited 0, raising if it failed."""
+
+    def __init__(self, cfg, env: dict[str, str], log: Path):
+        self.log = log
+        full = dict(os.environ, **env, VX_PARENT_PID=str(os.getpid()))
+        with open(log, "a") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", "vx.pipeline.one_pass", json.dumps(regen_config(cfg))],
+                                         env=full, stdout=subprocess.PIPE, stderr=err, text=True,
+                                         start_new_session=True)
+        self.summary: dict | None = None
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("event") == "summary":
+                self.summary = rec.get("summary")
+
+    def finished(self) -> bool:
+        rc = self.proc.poll()
+        if rc is None:
+            return False
+        if rc != 0:
+            tail = self.log.read_text(errors="replace").strip().splitlines()[-1:] if self.log.exists() else []
+            raise VxError(f"the regeneration stopped (exit {rc}): {tail[0] if tail else 'see ' + str(self.log)}; "
+                          "committed conversations and states are kept, rerun the same command to continue")
+        self._reader.join(5.0)
+        return True
+
+    def stop(self) -> None:
+        """Its whole process group (its engine included): SIGTERM, then SIGKILL after STOP_S."""
+        if self.proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, STOP_S), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+
+def run_one_pass(cfg, progress: bool | None = None):
+    """The one-pass job: returns extraction's Summary, with the regeneration's summary in it."""
+    from vx.data.follow import FollowingInput
+    from vx.jobs.extract import run_extract
+
+    if cfg.partitioned or cfg.ray or cfg.data_parallel_size > 1:
+        raise UsageError("--regenerate runs on one node with one engine of each kind for now: drop "
+                         "--data-parallel-size/--ray/--num-partitions/--partition-index")
+    out = Path(cfg.output)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "logs").mkdir(exist_ok=True)
+    check_generation(cfg, out)
+    split = core_split()
+    gen_env = pin_env(split[0]) if split else {}
+    if split is None and cfg.gpu_memory_utilization is None:
+        cfg = replace(cfg, gpu_memory_utilization=GPU_SHARE)
+    if not cfg.max_model_len:
+        cfg = replace(cfg, max_model_len=max_model_len(cfg))
+    regen = Regeneration(cfg, gen_env, out / "logs" / "regenerate.log")
+    try:
+        if split:
+            os.sched_setaffinity(0, set(split[1]))
+            os.environ.update(pin_env(split[1]))
+        (out / REGENERATED).touch()  # the capture's config checks its input exists
+        source = FollowingInput(out / REGENERATED, regen.finished, pending=cfg.backend != "hf")
+        s = run_extract(replace(cfg, data=str(out / REGENERATED), regenerate=False,
+                                max_model_len=cfg.max_model_len + TAIL), progress=progress, source=source)
+        regen.finished()  # raises if it failed after its last commit
+    finally:
+        regen.stop()
+    s.regenerated = regen.summary
+    return s
+
+
+def main(argv: list[str]) -> int:
+    """The regeneration's process: `python -m vx.pipeline.one_pass REGEN_CONFIG_JSON`."""
+    from vx.errors import run_guarded
+    from vx.launch.workers import _die_with_parent
+    from vx.regenerate.config import RegenConfig
+    from vx.regenerate.run import run_regenerate
+
+    d = json.loads(argv[0])
+    _die_with_parent()
+    cores = os.environ.get("VX_CPU_CORES")
+    if cores:
+        os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
+
+    def body() -> int:
+        s = run_regenerate(RegenConfig(**d), progress=False)
+        print(json.dumps({"event": "summary", "summary": s}), flush=True)
+        return 0
+
+    return run_guarded(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
