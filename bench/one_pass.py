@@ -2,7 +2,9 @@
 -o R.jsonl` followed by `vx extract R.jsonl -o OUT`, run as a user runs them (each command a
 fresh process, engine starts included), same prompts, model, engine settings and sampling.
 
-Reported per contender, medians over interleaved reps (one, two, two, one, ...): end-to-end wall
+Contenders: one-pass with the engines on separate halves of the CPU's cores (vx's default),
+one-pass with both on every core (VX_ONE_PASS_SHARED_CORES=1), and the two commands.
+Reported per contender, medians over interleaved reps (order reversed every rep): end-to-end wall
 time, and the engines' busy time from the commands' own summaries (the regeneration's generate_s,
 the extraction's extract_s). Prompts: the first-turn ShareGPT prompts in ../shared/data/chat
 (exits saying so when absent); model: the tiny random hybrid GDN bench model with the real
@@ -49,7 +51,8 @@ def two_pass(data: Path, work: Path, gen: list[str], model: str) -> dict:
             "samples": ex["samples"], "tokens": ex["tokens"], "generated_tokens": regen["generated_tokens"]}
 
 
-def one_pass(data: Path, work: Path, gen: list[str], model: str) -> dict:
+def one_pass(data: Path, work: Path, gen: list[str], model: str, shared: bool = False) -> dict:
+    os.environ["VX_ONE_PASS_SHARED_CORES"] = "1" if shared else "0"
     t = time.perf_counter()
     ex = vx("extract", str(data), "-o", str(work / "out"), "--model", model, "--backend", "vllm", "--regenerate", *gen)
     wall = time.perf_counter() - t
@@ -68,16 +71,19 @@ def main(argv=None):
     model = str(bench_model())
     rows = [json.loads(x) for x in PROMPTS.read_bytes().split(b"\n") if x.strip()][:args.prompts]
     gen = ["--max-tokens", str(args.max_tokens), "--turns", "last"]
-    runs: dict[str, list[dict]] = {"one-pass": [], "two-pass": []}
+    runs: dict[str, list[dict]] = {"one-pass": [], "one-pass-shared-cores": [], "two-pass": []}
     with tempfile.TemporaryDirectory(prefix="vx-bench-one-pass-") as tmp:
         data = Path(tmp) / "prompts.jsonl"
         data.write_text("".join(json.dumps(r) + "\n" for r in rows))
         for rep in range(args.reps):
-            order = ("one-pass", "two-pass") if rep % 2 == 0 else ("two-pass", "one-pass")
+            order = list(runs) if rep % 2 == 0 else list(runs)[::-1]
             for name in order:
                 work = Path(tmp) / f"{name}-{rep}"
                 work.mkdir()
-                r = (one_pass if name == "one-pass" else two_pass)(data, work, gen, model)
+                if name == "two-pass":
+                    r = two_pass(data, work, gen, model)
+                else:
+                    r = one_pass(data, work, gen, model, shared=name == "one-pass-shared-cores")
                 runs[name].append(r)
                 shutil.rmtree(work)
                 print(f"rep {rep} {name:9s} {r['wall_s']:7.1f}s (generate {r['generate_s']:.1f}s, "
@@ -87,14 +93,15 @@ def main(argv=None):
         table[name] = {k: round(statistics.median(r[k] for r in rs), 2) for k in ("wall_s", "generate_s", "extract_s")}
         table[name].update(samples=rs[0]["samples"], generated_tokens=rs[0]["generated_tokens"],
                            wall_s_runs=[round(r["wall_s"], 2) for r in rs])
-    speedup = table["two-pass"]["wall_s"] / table["one-pass"]["wall_s"]
-    per_rep = [round(t["wall_s"] / o["wall_s"], 3) for o, t in zip(runs["one-pass"], runs["two-pass"])]
+    speedup = {k: round(table["two-pass"]["wall_s"] / table[k]["wall_s"], 3) for k in runs if k != "two-pass"}
+    per_rep = {k: [round(t["wall_s"] / o["wall_s"], 3) for o, t in zip(runs[k], runs["two-pass"])]
+               for k in runs if k != "two-pass"}
     import torch
 
     result = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
               "cores": len(os.sched_getaffinity(0)), "model": model, "prompts": len(rows),
               "max_tokens": args.max_tokens, "reps": args.reps, "modes": table,
-              "one_pass_speedup": round(speedup, 3), "one_pass_speedup_per_rep": per_rep}
+              "speedup_vs_two_pass": speedup, "speedup_vs_two_pass_per_rep": per_rep}
     print(json.dumps(result, indent=1))
     print(f"wrote {write_result('one_pass', result)}", file=sys.stderr)
     return result

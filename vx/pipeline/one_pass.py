@@ -109,10 +109,11 @@ def check_generation(cfg, out: Path) -> None:
 
 
 def core_split() -> tuple[list[int], list[int]] | None:
-    """On CPU: (the regeneration's cores, the capture's). None on a GPU machine."""
+    """On CPU: (the regeneration's cores, the capture's). None on a GPU machine, or with
+    VX_ONE_PASS_SHARED_CORES=1 (both engines on every core; bench/one_pass.py measures both)."""
     from vx.device import cuda_available
 
-    if cuda_available():
+    if cuda_available() or os.environ.get("VX_ONE_PASS_SHARED_CORES") == "1":
         return None
     cores = sorted(os.sched_getaffinity(0))
     half = max(1, len(cores) // 2)
@@ -189,7 +190,9 @@ def run_one_pass(cfg, progress: bool | None = None):
     check_generation(cfg, out)
     split = core_split()
     gen_env = pin_env(split[0]) if split else {}
-    if split is None and cfg.gpu_memory_utilization is None:
+    from vx.device import cuda_available
+
+    if cuda_available() and cfg.gpu_memory_utilization is None:
         cfg = replace(cfg, gpu_memory_utilization=GPU_SHARE)
     if not cfg.max_model_len:
         cfg = replace(cfg, max_model_len=max_model_len(cfg))
