@@ -37,7 +37,7 @@ from vx.errors import UsageError, VxError
 
 REGENERATED = "regenerated.jsonl"
 GPU_SHARE = 0.45  # each engine's default --gpu-memory-utilization when both share a GPU
-STOP_S = 30.0     # the regeneration's process group gets this long after SIGTERM, then SIGKILL
+STOP_S = 5.0      # the regeneration's process group gets this long after SIGTERM, then SIGKILL
 
 
 def regen_config(cfg) -> dict:
@@ -65,11 +65,8 @@ def max_model_len(cfg) -> int:
     from vx.data.inputs import Input
     from vx.jobs.extract import engine_max_model_len, prepare_job
 
-    import tempfile
-
     job = prepare_job(cfg)
-    with tempfile.TemporaryDirectory(prefix="vx-one-pass-plan-") as tmp:  # OUT keeps only the run's files
-        longest = engine_max_model_len(replace(cfg, output=Path(tmp)), job, None) or 2
+    longest = engine_max_model_len(cfg, job, None) or 2  # the input's plan, kept in OUT for reruns
     turns = 1
     if cfg.turns == "all":
         for row in Input(cfg.data, cfg.endpoint_url).rows():
@@ -154,9 +151,10 @@ class Regeneration:
         if rc is None:
             return False
         if rc != 0:
-            tail = self.log.read_text(errors="replace").strip().splitlines()[-1:] if self.log.exists() else []
-            raise VxError(f"the regeneration stopped (exit {rc}): {tail[0] if tail else 'see ' + str(self.log)}; "
-                          "committed conversations and states are kept, rerun the same command to continue")
+            from vx.launch.workers import last_line
+
+            why = last_line(self.log).removeprefix("vx: error: ") or f"see {self.log}"
+            raise VxError(f"the regeneration stopped (exit {rc}): {why}")
         self._reader.join(5.0)
         return True
 
