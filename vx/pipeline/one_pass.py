@@ -48,7 +48,7 @@ def regen_config(cfg) -> dict:
             "chat_template_kwargs": cfg.chat_template_kwargs, "messages_field": cfg.messages_field,
             "id_field": cfg.id_field, "drop_truncated": cfg.drop_truncated, "max_num_seqs": cfg.max_num_seqs,
             "gpu_memory_utilization": cfg.gpu_memory_utilization, "max_model_len": cfg.max_model_len,
-            "endpoint_url": cfg.endpoint_url, "verbose": False,
+            "endpoint_url": cfg.endpoint_url, "verbose": False, "partition_index": None,
             "tensor_parallel_size": cfg.tensor_parallel_size}
 
 
@@ -143,7 +143,7 @@ class Regeneration:
                 rec = json.loads(line)
             except ValueError:
                 continue
-            if rec.get("event") == "summary":
+            if rec.get("vx") == "summary":
                 self.summary = rec.get("summary")
 
     def finished(self) -> bool:
@@ -211,24 +211,13 @@ def run_one_pass(cfg, progress: bool | None = None):
 
 
 def main(argv: list[str]) -> int:
-    """The regeneration's process: `python -m vx.pipeline.one_pass REGEN_CONFIG_JSON`."""
-    from vx.errors import run_guarded
-    from vx.launch.workers import _die_with_parent
+    """The regeneration's process: `python -m vx.pipeline.one_pass REGEN_CONFIG_JSON`, run as a
+    partition worker runs (dies with its launcher, keeps to its cores, JSON events on stdout)."""
+    from vx.launch.workers import run_partition_worker
     from vx.regenerate.config import RegenConfig
     from vx.regenerate.run import run_regenerate
 
-    d = json.loads(argv[0])
-    _die_with_parent()
-    cores = os.environ.get("VX_CPU_CORES")
-    if cores:
-        os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
-
-    def body() -> int:
-        s = run_regenerate(RegenConfig(**d), progress=False)
-        print(json.dumps({"event": "summary", "summary": s}), flush=True)
-        return 0
-
-    return run_guarded(body)
+    return run_partition_worker(argv, lambda d, events: run_regenerate(RegenConfig(**d), reporter=events))
 
 
 if __name__ == "__main__":
