@@ -49,6 +49,23 @@ def test_user_errors_exit_2_with_one_line_and_no_traceback(tmp_path, tiny_model)
     assert r.returncode == 2 and "is not a file" in r.stderr
 
 
+@pytest.mark.parametrize("flag, value, says", [("--top-p", "0", "--top-p must be in (0, 1]"),
+                                               ("--temperature", "-1", "--temperature must be >= 0"),
+                                               ("--max-tokens", "0", "--max-tokens must be >= 1"),
+                                               ("--turns", "first", "--turns must be all or last"),
+                                               ("--top-k", "-2", "--top-k must be >= 1")])
+def test_a_bad_generation_option_is_one_line_from_both_commands_that_take_it(flag, value, says, capsys):
+    """vx regenerate and vx extract --regenerate check their generation options the same way,
+    before any file is read or engine started."""
+    from vx.cli import main
+
+    for argv in (["regenerate", "examples/chat.jsonl", flag, value],
+                 ["extract", "examples/chat.jsonl", "--regenerate", flag, value]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, (argv, err)
+
+
 @pytest.mark.parametrize("argv", [[], ["extract"], ["regenerate"], ["extract", "d.jsonl", "--bogus"], ["frobnicate"],
                                   ["extract", "d.jsonl", "--shard-size", "big"]])
 def test_a_mistake_the_parser_catches_prints_help_or_a_usage_line_and_exits_2(argv, capsys):

@@ -9,6 +9,7 @@ import typer
 
 from vx.cli.app import app
 from vx.cli.options import Layers, ModelPath, OutputDir, Progress, parse_gpus
+from vx.cli.options import RegenerateGeneration as RG
 
 
 @app.command(no_args_is_help=True)
@@ -54,13 +55,13 @@ def extract(
     ray_address: Annotated[Optional[str], typer.Option(help="Ray cluster address. Default: auto (RAY_ADDRESS, or the cluster started on this node).")] = None,
     max_retries: Annotated[int, typer.Option(help="ray: times a failed partition is rescheduled (it resumes from its manifest).")] = 3,
     regenerate: Annotated[bool, typer.Option(help="One pass: the target first writes every assistant turn (as vx regenerate, into OUT/regenerated.jsonl) and each regenerated conversation's states are captured as soon as it is committed, the two engines running side by side. The generation options below apply.")] = False,
-    turns: Annotated[str, typer.Option(help="--regenerate: all: every assistant turn, in order, on the regenerated history; last: only the final one.")] = "all",
-    temperature: Annotated[float, typer.Option(help="--regenerate: sampling temperature (0: greedy).")] = 0.0,
-    top_p: Annotated[float, typer.Option(help="--regenerate: nucleus sampling.")] = 1.0,
-    top_k: Annotated[int, typer.Option(help="--regenerate: top-k sampling (-1: off).")] = -1,
-    max_tokens: Annotated[int, typer.Option(help="--regenerate: longest generated turn; a turn cut here is marked truncated.")] = 1024,
-    seed: Annotated[Optional[int], typer.Option(help="--regenerate: sampling seed (per turn: seed + a hash of id and turn).")] = None,
-    drop_truncated: Annotated[bool, typer.Option(help="--regenerate: leave out conversations with a turn cut by --max-tokens.")] = False,
+    turns: RG.Turns = "all",
+    temperature: RG.Temperature = 0.0,
+    top_p: RG.TopP = 1.0,
+    top_k: RG.TopK = -1,
+    max_tokens: RG.MaxTokens = 1024,
+    seed: RG.Seed = None,
+    drop_truncated: RG.DropTruncated = False,
     verify: Annotated[int, typer.Option(help="After the run, recompute this many random committed samples with the HF reference on this machine's device (once the engine has released it) and compare every layer; exit 1 below the bound. 0: off.")] = 0,
     progress: Progress = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show vLLM's INFO log live on stderr (it is always written to OUT/logs/).")] = False,

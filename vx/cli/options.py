@@ -25,3 +25,21 @@ def parse_gpus(text: str | None) -> list[int] | None:
         from vx.errors import UsageError
 
         raise UsageError(f"--gpus must be comma-separated GPU ids, got {text!r}") from None
+
+
+class _Generation:
+    """How the target writes the assistant turns: `vx regenerate`'s options, and `vx extract`'s
+    with --regenerate (their help says so there)."""
+
+    def __init__(self, prefix: str = ""):
+        self.Turns = Annotated[str, typer.Option(help=prefix + "all: every assistant turn, in order, on the regenerated history; last: only the final one.")]
+        self.Temperature = Annotated[float, typer.Option(help=prefix + "Sampling temperature (0: greedy).")]
+        self.TopP = Annotated[float, typer.Option(help=prefix + "Nucleus sampling: keep the smallest set of tokens of this total probability.")]
+        self.TopK = Annotated[int, typer.Option(help=prefix + "Top-k sampling (0 or -1: off).")]
+        self.MaxTokens = Annotated[int, typer.Option(help=prefix + "Longest generated turn; a turn cut here is marked truncated.")]
+        self.Seed = Annotated[Optional[int], typer.Option(help=prefix + "Sampling seed (per turn: seed + a hash of id and turn, so reruns and partitions draw the same).")]
+        self.DropTruncated = Annotated[bool, typer.Option(help=prefix + "Leave out conversations with a turn cut by --max-tokens.")]
+
+
+Generation = _Generation()
+RegenerateGeneration = _Generation("--regenerate: ")

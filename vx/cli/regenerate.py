@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from vx.cli.app import app
+from vx.cli.options import Generation as G
 from vx.cli.options import ModelPath, Progress, parse_gpus
 
 
@@ -16,17 +17,17 @@ def regenerate(
     data: Annotated[str, typer.Argument(help="Conversations, in any input format `vx extract` reads.", show_default=False)],
     output: Annotated[str, typer.Option("--output", "-o", help="Output JSONL (appended; rerun to resume).")] = "regen.jsonl",
     model: ModelPath = None,
-    turns: Annotated[str, typer.Option(help="all: every assistant turn, in order, on the regenerated history; last: only the final one.")] = "all",
-    temperature: Annotated[float, typer.Option(help="Sampling temperature (0: greedy).")] = 0.0,
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling.")] = 1.0,
-    top_k: Annotated[int, typer.Option(help="Top-k sampling (-1: off).")] = -1,
-    max_tokens: Annotated[int, typer.Option(help="Longest generated turn; a turn cut here is marked truncated.")] = 1024,
-    seed: Annotated[Optional[int], typer.Option(help="Sampling seed (per turn: seed + a hash of id and turn).")] = None,
+    turns: G.Turns = "all",
+    temperature: G.Temperature = 0.0,
+    top_p: G.TopP = 1.0,
+    top_k: G.TopK = -1,
+    max_tokens: G.MaxTokens = 1024,
+    seed: G.Seed = None,
     chat_template: Annotated[Optional[str], typer.Option(help="Jinja chat template file instead of the tokenizer's.")] = None,
     chat_template_kwargs: Annotated[Optional[str], typer.Option(help='JSON object for the template, e.g. \'{"enable_thinking": false}\'.')] = None,
     messages_field: Annotated[str, typer.Option(help="Record field holding the conversation.")] = "messages",
     id_field: Annotated[str, typer.Option(help="Record field holding the id (default: the row number).")] = "id",
-    drop_truncated: Annotated[bool, typer.Option(help="Leave out conversations with a turn cut by --max-tokens.")] = False,
+    drop_truncated: G.DropTruncated = False,
     max_num_seqs: Annotated[Optional[int], typer.Option(help="vllm: requests per engine step.")] = None,
     gpu_memory_utilization: Annotated[Optional[float], typer.Option(help="vllm: fraction of GPU memory (host memory on CPU).")] = None,
     max_model_len: Annotated[Optional[int], typer.Option(help="vllm: longest prompt + generation.")] = None,

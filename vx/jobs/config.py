@@ -61,7 +61,7 @@ class ExtractConfig:
     ray_address: str | None = None           # default: auto (RAY_ADDRESS or a local cluster)
     max_retries: int = 3                     # ray: reschedules of a failed partition
     verify: int = 0                          # after the run: recompute this many random samples with HF
-    # one pass (vx/jobs/one_pass.py): the target first writes the assistant turns, as vx regenerate
+    # one pass (vx/pipeline/one_pass.py): the target first writes the assistant turns, as vx regenerate
     regenerate: bool = False
     turns: str = "all"                       # all | last
     temperature: float = 0.0
@@ -128,10 +128,9 @@ class ExtractConfig:
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise UsageError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.regenerate:
-            if self.turns not in ("all", "last"):
-                raise UsageError(f"--turns must be all or last, got {self.turns!r}")
-            if self.temperature < 0 or not 0 < self.top_p <= 1 or self.max_tokens < 1:
-                raise UsageError("--temperature >= 0, 0 < --top-p <= 1, --max-tokens >= 1 are required")
+            from vx.data.generation import check_generation
+
+            check_generation(self)
         check_scale_out(self)
 
     def _check_reading(self) -> None:

@@ -42,11 +42,12 @@ STOP_S = 5.0      # the regeneration's process group gets this long after SIGTER
 
 def regen_config(cfg) -> dict:
     """The RegenConfig the child runs: vx regenerate's options, from the one-pass config."""
+    from vx.data.generation import generation_json
+
     return {"data": cfg.data, "output": str(Path(cfg.output) / REGENERATED), "model": cfg.model,
-            "turns": cfg.turns, "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
-            "max_tokens": cfg.max_tokens, "seed": cfg.seed, "chat_template": cfg.chat_template,
+            **generation_json(cfg), "chat_template": cfg.chat_template,
             "chat_template_kwargs": cfg.chat_template_kwargs, "messages_field": cfg.messages_field,
-            "id_field": cfg.id_field, "drop_truncated": cfg.drop_truncated, "max_num_seqs": cfg.max_num_seqs,
+            "id_field": cfg.id_field, "max_num_seqs": cfg.max_num_seqs,
             "gpu_memory_utilization": cfg.gpu_memory_utilization, "max_model_len": cfg.max_model_len,
             "endpoint_url": cfg.endpoint_url, "verbose": False, "partition_index": None,
             "tensor_parallel_size": cfg.tensor_parallel_size}
@@ -84,11 +85,13 @@ def max_model_len(cfg) -> int:
 GENERATION = "regenerate.json"  # OUT/regenerate.json: how OUT/regenerated.jsonl was generated
 
 
-def check_generation(cfg, out: Path) -> None:
+def check_rerun(cfg, out: Path) -> None:
     """The generation options are part of the output: a rerun continues only with the same ones
     (--overwrite starts the conversations over, with the states)."""
-    opts = {k: getattr(cfg, k) for k in ("turns", "temperature", "top_p", "top_k", "max_tokens", "seed",
-                                           "drop_truncated", "chat_template", "chat_template_kwargs", "model")}
+    from vx.data.generation import generation_json
+
+    opts = dict(generation_json(cfg), **{k: getattr(cfg, k) for k in ("chat_template", "chat_template_kwargs",
+                                                                        "model")})
     path = out / GENERATION
     if cfg.overwrite:
         for name in (REGENERATED, REGENERATED + ".committed", REGENERATED + ".errors.jsonl", GENERATION):
@@ -185,7 +188,7 @@ def run_one_pass(cfg, progress: bool | None = None):
     out = Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(exist_ok=True)
-    check_generation(cfg, out)
+    check_rerun(cfg, out)
     split = core_split()
     gen_env = pin_env(split[0]) if split else {}
     from vx.device import cuda_available

@@ -6,6 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from vx.data.generation import check_generation
 from vx.errors import UsageError
 
 
@@ -53,10 +54,9 @@ class RegenConfig:
 
     def __post_init__(self):
         self.output = Path(self.output)
-        if self.turns not in ("all", "last"):
-            raise UsageError(f"--turns must be all or last, got {self.turns!r}")
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.max_tokens < 1 or self.commit_every < 1:
-            raise UsageError("--temperature >= 0, 0 < --top-p <= 1, --max-tokens >= 1 are required")
+        check_generation(self)
+        if self.commit_every < 1:
+            raise UsageError(f"--commit-every must be >= 1, got {self.commit_every}")
         if self.tensor_parallel_size < 1:
             raise UsageError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         from vx.data.chat import check_template_options
