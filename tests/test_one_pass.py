@@ -47,10 +47,11 @@ def test_a_kill_9_mid_run_then_a_rerun_leaves_every_conversation_once_with_its_o
     captured_before = committed_lines(manifest)
     assert 0 < captured_before
 
-    r = subprocess.run(one_pass(out), cwd=ROOT, capture_output=True, text=True, timeout=900)
+    r = subprocess.run(one_pass(out, "--verify", "4"), cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads(r.stdout)
     assert summary["regenerated"]["skipped"] > 0  # the rerun continued the conversations already written
+    assert summary["verify"]["ok"] and summary["verify"]["samples_checked"] == 4  # --verify covers this mode
 
     records = [json.loads(line) for line in (ROOT / "examples/chat.jsonl").read_text().splitlines() if line]
     want = [r["id"] for r in records if "messages" in r or "conversations" in r]  # text records have no turns

@@ -16,6 +16,8 @@ def test_selftest_on_the_embedded_default_passes_and_times_bare_vllm(tmp_path):
     assert "bare vLLM prefill" in rows["throughput"] and "vx/bare" in rows["throughput"]
     assert "2 over the 512-token step (chunked)" in rows["data"]
     assert "float32" in rows["reference"]
+    # the one-pass mode: every conversation regenerated, captured, rows = the template's rendering
+    assert "8 conversations, 10 turns" in rows["one"] and "rendering for 8/8" in rows["one"], rows["one"]
     layer_rows = [line.split() for line in r.stdout.splitlines() if line.split() and line.split()[0].isdigit()]
     assert [int(x[0]) for x in layer_rows] == list(range(8))  # every layer of the model, the last included
     assert all(float(x[1]) >= 0.9995 for x in layer_rows)
@@ -27,7 +29,7 @@ def test_selftest_of_a_vl_layout_checkpoint_fails_naming_sample_and_layer_when_a
     with the fp32 reference). Under the failpoint, layer 2 fails for every sample and the run
     exits 1 naming one; the other layers stay within the bound."""
     report = tmp_path / "selftest.json"
-    r = vx_cmd("selftest", "--model", str(tiny_vl_model), "--no-bench", "--samples", "16", "--report", str(report),
+    r = vx_cmd("selftest", "--model", str(tiny_vl_model), "--no-bench", "--no-one-pass", "--samples", "16", "--report", str(report),
                env={"VX_FAULT": "corrupt-layer:2"})
     assert r.returncode == 1, r.stdout + r.stderr[-2000:]
     assert "FAIL" in r.stdout

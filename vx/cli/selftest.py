@@ -18,6 +18,7 @@ def selftest(
     tensor_parallel_size: Annotated[int, typer.Option(help="vllm: GPUs per engine.")] = 1,
     samples: Annotated[Optional[int], typer.Option(help="Samples in the synthetic mix. Default: 40 on CPU, 128 on a GPU.")] = None,
     bench: Annotated[bool, typer.Option("--bench/--no-bench", help="Also time bare vLLM prefill of the same data (tokens/s, vx's ratio, MFU).")] = True,
+    one_pass: Annotated[bool, typer.Option("--one-pass/--no-one-pass", help="Also run vx extract --regenerate on a few conversations (two engines side by side) and check its stored ids and states.")] = True,
     max_num_batched_tokens: Annotated[Optional[int], typer.Option(help="vllm: tokens per engine step. Default: vx's GPU default (8192); 512 on CPU.")] = None,
     enforce_eager: Annotated[Optional[bool], typer.Option("--enforce-eager/--no-enforce-eager", help="vllm: default as for extract (compiled with CUDA graphs on a GPU, eager on CPU).")] = None,
     output: Annotated[Optional[str], typer.Option("--output", "-o", help="Keep the shards and engine logs here (default: a temporary directory, removed).")] = None,
@@ -27,8 +28,9 @@ def selftest(
     """Check this install end to end in minutes: vLLM's contract, vx's real capture path on a
     small random model of your target's architecture (its config, a few layers) over a length mix
     that breaks batched capture (1-token, chunked, shared-prefix and identical samples), every
-    sample against the HF reference on the same device, and bare vLLM prefill vs vx on the same
-    data. Prints one table; exit 0, or 1 naming the first sample and layer outside the bound.
+    sample against the HF reference on the same device, bare vLLM prefill vs vx on the same
+    data, and the one-pass mode (vx extract --regenerate: ids against the template's rendering
+    of what it regenerated, states against HF). Prints one table; exit 0, or 1 naming the first sample and layer outside the bound.
 
     Examples:
 
@@ -41,10 +43,10 @@ def selftest(
     from pathlib import Path
 
     from vx.errors import VxError
-    from vx.jobs.selftest import SelftestConfig, run_selftest
+    from vx.pipeline.selftest import SelftestConfig, run_selftest
 
     _use_gpus(parse_gpus(gpus), tensor_parallel_size)
-    cfg = SelftestConfig(model=model, tensor_parallel_size=tensor_parallel_size, samples=samples, bench=bench,
+    cfg = SelftestConfig(model=model, tensor_parallel_size=tensor_parallel_size, samples=samples, bench=bench, one_pass=one_pass,
                          max_num_batched_tokens=max_num_batched_tokens, enforce_eager=enforce_eager,
                          output=Path(output) if output else None)
     r = run_selftest(cfg)

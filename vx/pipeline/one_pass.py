@@ -198,6 +198,7 @@ def run_one_pass(cfg, progress: bool | None = None):
     if not cfg.max_model_len:
         cfg = replace(cfg, max_model_len=max_model_len(cfg))
     regen = Regeneration(cfg, gen_env, out / "logs" / "regenerate.log")
+    cores, env = os.sched_getaffinity(0), dict(os.environ)  # given back after: a caller in this process keeps its own
     try:
         if split:
             os.sched_setaffinity(0, set(split[1]))
@@ -209,6 +210,9 @@ def run_one_pass(cfg, progress: bool | None = None):
         regen.finished()  # raises if it failed after its last commit
     finally:
         regen.stop()
+        os.sched_setaffinity(0, cores)
+        os.environ.clear()
+        os.environ.update(env)
     s.regenerated = regen.summary
     return s
 

@@ -11,6 +11,9 @@
    device (fp32 when it fits): per layer the worst cosine and max |diff|.
 5. Bare vLLM prefill of the same data on the same engine settings: tokens/s, vx's ratio, MFU
    where the device's peak is known.
+6. The one-pass mode (vx extract --regenerate) on a few conversations, sampled: its stored ids
+   against the template's rendering of what it regenerated, its states against the HF reference
+   (vx/pipeline/selftest_one_pass.py).
 One table on stdout; exit 0, or 1 naming the first sample and layer outside the bound.
 """
 
@@ -39,6 +42,7 @@ class SelftestConfig:
     tensor_parallel_size: int = 1
     samples: int | None = None         # None: 40 on CPU, 128 on a GPU
     bench: bool = True                 # also time bare vLLM prefill on the same data
+    one_pass: bool = True              # also run vx extract --regenerate and check what it stored
     max_num_batched_tokens: int | None = None
     enforce_eager: bool | None = None  # None: vx's default (compiled + CUDA graphs on a GPU)
     output: Path | None = None         # keep shards and logs here (default: a temp dir, removed)
@@ -146,6 +150,10 @@ def _run(cfg: SelftestConfig, report: SelftestReport, on_gpu: bool, work: Path) 
     report.row("engine", engine)
     bare_s = _run_bare(model_dir, samples, work, common) if cfg.bench else None
     _compare(report, out, samples, model_dir, info)
+    if cfg.one_pass:
+        from vx.pipeline.selftest_one_pass import check_one_pass
+
+        check_one_pass(report, cfg, model_dir, info, work, on_gpu)
     flops = 2 * _layer_params(model_dir, info) * tokens
     peak = _peak_flops() if on_gpu else None
     speed = f"vx {tokens / vx_s:,.0f} tokens/s" + (f" (MFU {flops / vx_s / peak:.1%})" if peak else "")
