@@ -22,6 +22,11 @@ def test_the_first_vllm_run_prints_only_its_results_and_keeps_the_log_in_the_out
     v = summary["verify"]
     assert v["ok"] and v["samples_checked"] == 8 and v["reference"].startswith("float32")
     assert [w["layer"] for w in v["layers"]] == [1, 2, 3, 4, 5] and min(w["min_cosine"] for w in v["layers"]) >= 0.9995
+    # its progress record (what vx inspect --watch reads): the final figures, the state done
+    rec = json.loads((out / "progress.json").read_text())
+    assert rec["state"] == "done" and rec["samples"] == 64 and rec["tokens"] == summary["tokens"]
+    assert 0 < rec["mfu"] < 1 and rec["device_memory_bytes"] > 0 and rec["in_flight"] == 0
+    assert 0 < summary["mfu"] < 1 and "CPU cores" in summary["peak"]
     log = (out / "logs" / "vllm.log").read_text()
     assert "EngineCore" in log and "INFO" in log  # the full log, engine processes included
     assert "[shutdown] MPClient: complete" in log and "force killing" not in log

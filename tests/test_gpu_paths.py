@@ -120,7 +120,7 @@ WORKER = textwrap.dedent("""
 
 def test_a_freed_slot_is_reused_only_after_its_workers_group_is_gone(tmp_path):
     from vx.launch.workers import Tally, read_events, run_workers
-    from vx.progress import RunProgress
+    from vx.monitor.progress import RunProgress
 
     started = {}
 

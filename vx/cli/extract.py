@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from vx.cli.app import app
-from vx.cli.options import Layers, ModelPath, OutputDir, Progress, parse_gpus
+from vx.cli.options import Layers, MetricsPort, ModelPath, OutputDir, Progress, ProgressEvery, parse_gpus
 from vx.cli.options import RegenerateGeneration as RG
 
 
@@ -64,6 +64,8 @@ def extract(
     drop_truncated: RG.DropTruncated = False,
     verify: Annotated[int, typer.Option(help="After the run, recompute this many random committed samples with the HF reference on this machine's device (once the engine has released it) and compare every layer; exit 1 below the bound. 0: off.")] = 0,
     progress: Progress = None,
+    progress_every: ProgressEvery = None,
+    metrics_port: MetricsPort = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show vLLM's INFO log live on stderr (it is always written to OUT/logs/).")] = False,
     json_summary: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object.")] = False,
 ):
@@ -103,7 +105,7 @@ def extract(
         data_parallel_size=data_parallel_size, gpus=parse_gpus(gpus), num_partitions=num_partitions,
         partition_index=partition_index, ray=ray, ray_address=ray_address, max_retries=max_retries,
         regenerate=regenerate, turns=turns, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-        seed=seed, drop_truncated=drop_truncated,
+        seed=seed, drop_truncated=drop_truncated, metrics_port=metrics_port, progress_every=progress_every,
     )
     if cfg.regenerate:
         from vx.pipeline.one_pass import run_one_pass

@@ -13,19 +13,41 @@ from vx.cli.app import app
 
 @app.command(no_args_is_help=True)
 def inspect(
-    output: Annotated[Path, typer.Argument(help="An extraction output directory.")],
+    output: Annotated[str, typer.Argument(help="An extraction output: a directory, or s3://bucket/prefix with --watch or --plot.")],
     sample: Annotated[Optional[str], typer.Option(help="Show one sample (by id) with shapes and a few values.")] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print as one JSON object.")] = False,
+    watch: Annotated[bool, typer.Option(help="Follow a running extraction (every partition, any node, local or S3) from its writers' progress records: done of total, rate, ETA, per-partition rates; flags stalled or failing partitions; ends when the run ends.")] = False,
+    interval: Annotated[float, typer.Option(help="--watch: seconds between polls.")] = 5.0,
+    stall_after: Annotated[float, typer.Option(help="--watch: flag a partition that has committed nothing for this many seconds.")] = 300.0,
+    plot: Annotated[Optional[str], typer.Option(help="Draw tokens/s and MFU over time per partition into this PNG file, from the writers' progress history.")] = None,
+    endpoint_url: Annotated[Optional[str], typer.Option(help="S3-compatible endpoint URL for an s3:// output.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print as one JSON object (--watch: one per poll, JSON lines).")] = False,
 ):
-    """Summarise an extraction: samples, tokens, shards, bytes, layers, dtype, errors.
+    """Summarise an extraction: samples, tokens, shards, bytes, layers, dtype, errors; or watch
+    a running one, or plot its history.
 
     Examples:
 
       vx inspect out/
 
       vx inspect out/ --sample 42
+
+      vx inspect s3://bucket/run1 --watch --stall-after 120
+
+      vx inspect s3://bucket/run1 --plot run1.png
     """
     from vx.errors import UsageError
+
+    if interval <= 0 or stall_after <= 0:
+        raise UsageError("--interval and --stall-after must be > 0 seconds")
+    if watch or plot:
+        from vx.cli.watch import run_watch
+
+        run_watch(output, endpoint_url, watch, interval, stall_after, plot, json_out)
+        return
+    if output.startswith("s3://"):
+        raise UsageError("vx inspect reads an s3:// output with --watch or --plot; for its contents, use a local "
+                         "copy (vx export) or the output's staging directory")
+    output = Path(output)
     from vx.store.format import ERRORS
     from vx.store.output import output_dirs, part_dirs
     from vx.store.reader import open_dataset

@@ -13,7 +13,11 @@ Layers = Annotated[Optional[str], typer.Option(
          "speculators-dflash (those and N-1, the verifier's last state speculators trains against), "
          "speculators (speculators' default targets and N-1).")]
 Progress = Annotated[Optional[bool], typer.Option(
-    "--progress/--no-progress", help="Progress bar on stderr. Default: on when stderr is a terminal.")]
+    "--progress/--no-progress", help="Live progress on stderr: done/total, rate over the last 30 s, MFU, device memory, upload backlog, bad records, ETA. Default: a bar on a terminal, else a line every --progress-every seconds; --no-progress: none.")]
+ProgressEvery = Annotated[Optional[float], typer.Option(
+    help="When stderr is not a terminal (a batch job's log): one progress line every this many seconds (0: none). Default 30.")]
+MetricsPort = Annotated[Optional[int], typer.Option(
+    help="Serve Prometheus metrics on this TCP port (http://HOST:PORT/metrics; 0: any free port, logged): samples, tokens, bytes written and uploaded, retries, bad records, rates, MFU, ETA, queue depths, upload backlog, device memory, per partition. See docs/monitoring.md.")]
 
 
 def parse_gpus(text: str | None) -> list[int] | None:

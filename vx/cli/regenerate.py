@@ -9,7 +9,7 @@ import typer
 
 from vx.cli.app import app
 from vx.cli.options import Generation as G
-from vx.cli.options import ModelPath, Progress, parse_gpus
+from vx.cli.options import MetricsPort, ModelPath, Progress, ProgressEvery, parse_gpus
 
 
 @app.command(no_args_is_help=True)
@@ -42,6 +42,8 @@ def regenerate(
     commit_every: Annotated[int, typer.Option(help="Conversations per fsynced chunk of the output (also at most 2 s apart).")] = 64,
     endpoint_url: Annotated[Optional[str], typer.Option(help="S3-compatible endpoint for s3:// inputs.")] = None,
     progress: Progress = None,
+    progress_every: ProgressEvery = None,
+    metrics_port: MetricsPort = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="vLLM's log live on stderr (always in OUTPUT.vllm.log).")] = False,
     json_summary: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object.")] = False,
 ):
@@ -70,7 +72,8 @@ def regenerate(
                       commit_every=commit_every, endpoint_url=endpoint_url, verbose=verbose,
                       tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
                       gpus=parse_gpus(gpus), num_partitions=num_partitions, partition_index=partition_index,
-                      ray=ray, ray_address=ray_address, max_retries=max_retries)
+                      ray=ray, ray_address=ray_address, max_retries=max_retries, metrics_port=metrics_port,
+                      progress_every=progress_every)
     if cfg.launcher:
         from vx.regenerate.partitions import run_partitions
 

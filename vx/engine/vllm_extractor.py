@@ -106,6 +106,7 @@ class VllmExtractor:
                                                   budget["hold_bytes"]))
         cap = max_in_flight or 2 * self.max_num_seqs
         in_flight: dict[str, Sample] = {}
+        self.in_flight = in_flight  # read by the run's meter (requests in the engine now)
         lines: dict[str, int] = {}  # sample id -> dataset line, for rejections reported at the end
         it: Iterator[Sample] = iter(samples)
         exhausted = False
@@ -204,6 +205,7 @@ def run_vllm(cfg, model_dir, info, layer_ids, samples, shard_args, bar, t0, erro
                        tensor_parallel_size=cfg.tensor_parallel_size, enforce_eager=cfg.enforce_eager)
     load_s = time.perf_counter() - t_load - ex.warmup_s + (t_load - t0)
     counts = {"n": 0, "tokens": 0}
+    bar.meter.sources.append(lambda: {"in_flight": len(getattr(ex, "in_flight", ()))})
 
     def done(s: Sample):
         counts["n"] += 1

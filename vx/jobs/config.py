@@ -8,6 +8,7 @@ from pathlib import Path
 from vx.data.chat import check_template_options
 from vx.errors import UsageError
 from vx.launch.options import check_scale_out
+from vx.monitor.metrics import check_options
 
 BACKENDS = ("auto", "hf", "vllm")
 MODEL_DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -61,6 +62,9 @@ class ExtractConfig:
     ray_address: str | None = None           # default: auto (RAY_ADDRESS or a local cluster)
     max_retries: int = 3                     # ray: reschedules of a failed partition
     verify: int = 0                          # after the run: recompute this many random samples with HF
+    # watching a long run (vx/monitor/, vx/jobs/monitoring.py)
+    metrics_port: int | None = None          # serve Prometheus metrics here (0: any free port, logged)
+    progress_every: float | None = None      # not a terminal: a progress line every this many s (None: 30)
     # one pass (vx/pipeline/one_pass.py): the target first writes the assistant turns, as vx regenerate
     regenerate: bool = False
     turns: str = "all"                       # all | last
@@ -127,6 +131,7 @@ class ExtractConfig:
             raise UsageError(f"--shard-size must be > 0 MB, got {self.shard_size_mb}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise UsageError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        check_options(self)
         if self.regenerate:
             from vx.data.generation import check_generation
 

@@ -21,6 +21,8 @@ from pathlib import Path
 
 from vx.engine.logs import LOG_DIR
 from vx.jobs.config import ExtractConfig
+from vx.jobs.monitoring import watch_launcher
+from vx.monitor.flops import mfu_terms
 from vx.launch.workers import (
     Tally,
     failed_partitions,
@@ -29,7 +31,7 @@ from vx.launch.workers import (
     spawn_worker,
     worker_slots,
 )
-from vx.progress import RunProgress
+from vx.monitor.progress import RunProgress
 from vx.store.output import Output
 
 WORKER = "vx.jobs.data_parallel"  # `python -m vx.jobs.data_parallel CONFIG`: one partition's worker
@@ -40,7 +42,8 @@ def partition_config(cfg: ExtractConfig, index: int, plan_file: str | None, cpu_
     """The JSON config of one partition's worker. cpu_share: on CPU, vLLM's memory fraction is of
     host memory, which the engines of a node share."""
     child = replace(cfg, data_parallel_size=1, gpus=None, ray=False, ray_address=None, overwrite=False,
-                    partition_index=index, plan_file=plan_file, verify=0)  # the launcher verifies the whole run
+                    partition_index=index, plan_file=plan_file, verify=0,  # the launcher verifies the whole run
+                    metrics_port=None, progress_every=None)  # and serves the metrics, labelled by partition
     if child.gpu_memory_utilization is None and cpu_share is not None:
         child.gpu_memory_utilization = round(cpu_share, 3)
     return child.portable_json() if portable else child.to_json()
@@ -64,16 +67,25 @@ def run_data_parallel(cfg: ExtractConfig, progress: bool | None = None):
     cpu_share = None if "CUDA_VISIBLE_DEVICES" in slots[0] else 0.3 / len(slots)
     logs = Path(cfg.output) / LOG_DIR
     logs.mkdir(parents=True, exist_ok=True)
-    bar = RunProgress(sum(balance["lines"]) - len(Output.of(cfg).committed_elsewhere()), enabled=progress)
+    bar = RunProgress(sum(balance["lines"]) - len(Output.of(cfg).committed_elsewhere()), enabled=progress,
+                      every=cfg.progress_every)
+    terms = mfu_terms(job.model_dir, job.layer_ids, len(slots), cfg.tensor_parallel_size)
+    metrics = watch_launcher(bar, cfg, terms)
     t_start = time.perf_counter()
+    state = "failed"
     try:
         results, failed = run_workers(cfg.num_partitions, slots, lambda index, slot_env, events: _start(
-            cfg, index, slot_env, plan_file, cpu_share, logs, events), Tally(bar))
+            cfg, index, slot_env, plan_file, cpu_share, logs, events), Tally(bar, metrics))
+        state = "failed" if failed else "done"
     finally:
-        bar.close()
+        bar.close(state)
+        if metrics is not None:
+            metrics.close()
     if failed:
         raise failed_partitions(failed, cfg.num_partitions, "", "The others' work and every committed shard are kept")
-    return combine(cfg, job.backend, results, time.perf_counter() - t0, time.perf_counter() - t_start, balance)
+    s = combine(cfg, job.backend, results, time.perf_counter() - t0, time.perf_counter() - t_start, balance)
+    s.set_mfu(terms)
+    return s
 
 
 def make_plan(cfg: ExtractConfig, job) -> tuple[str, dict]:

@@ -16,7 +16,9 @@ from vx.data.model import load_tokenizer, model_info, resolve_model
 from vx.data.samples import BadLine, Sample, Tokenize, read_samples
 from vx.errors import UsageError, VxError
 from vx.jobs.config import ExtractConfig
-from vx.progress import RunProgress
+from vx.jobs.monitoring import watch_writer
+from vx.monitor.flops import mfu_terms
+from vx.monitor.progress import RunProgress
 from vx.store.format import ERRORS, RETAIN
 from vx.store.output import ErrorLog, Output
 from vx.store.writer import ShardWriter
@@ -42,7 +44,14 @@ class Summary:
     max_model_len: int | None = None  # vllm: the engine's longest request (the longest sample + 1)
     partitions: list | None = None  # data parallel / Ray: one summary per partition
     balance: dict | None = None     # tokens per partition and their spread
-    regenerated: dict | None = None  # --regenerate: the regeneration's summary (vx/jobs/one_pass.py)
+    regenerated: dict | None = None  # --regenerate: the regeneration's summary (vx/pipeline/one_pass.py)
+    mfu: float | None = None         # over the extraction (vx/jobs/monitoring.py mfu_terms)
+    peak: str | None = None          # the peak it is of
+
+    def set_mfu(self, terms: dict) -> None:
+        from vx.monitor.meter import mfu
+
+        self.mfu, self.peak = mfu(self.tokens_per_s, terms["flops_per_token"], terms["peak_flops"]), terms["peak"]
 
     @property
     def samples_per_s(self) -> float:
@@ -169,9 +178,9 @@ def _extract_locked(cfg, job, out: Output, lines, elsewhere, progress, reporter,
     retainer = _retainer(cfg, out, root or out, retain) if retain is not None else None
     total = len(lines) if lines is not None else job.source.count()
     total = None if total is None else max(0, total - len(state.committed_ids))
-    bar = reporter if reporter is not None else RunProgress(total, enabled=progress)
-    if uploader is not None:
-        bar.status = uploader.status_line
+    bar = reporter if reporter is not None else RunProgress(total, enabled=progress, every=cfg.progress_every)
+    terms = mfu_terms(job.model_dir, layer_ids, 1, cfg.tensor_parallel_size)
+    metrics = watch_writer(bar, cfg, out, terms, errors, uploader, total)
 
     def good_samples() -> Iterator[Sample]:
         for item in read_samples(job.source, job.tokenize, skip_ids=skip, lines=lines):
@@ -217,19 +226,28 @@ def _extract_locked(cfg, job, out: Output, lines, elsewhere, progress, reporter,
                 pass
         if retainer is not None:
             retainer.stop(raise_error=False)
+        bar.close("failed")
         raise
     finally:
         errors.close()
-        bar.close()
-    up = uploader.finish() if uploader is not None else {}
-    out.end_run()
+        if metrics is not None:
+            metrics.close()
+    try:
+        up = uploader.finish() if uploader is not None else {}
+        out.end_run()
+    except BaseException:
+        bar.close("failed")
+        raise
+    bar.close("done")  # the final record says done once the end is marked
     if retainer is not None:  # readers finish the stream after the end; what they consume now stays
         retainer.stop()
     load_s, warmup_s, extract_s, n, tokens = stats
-    return Summary(str(cfg.output), job.backend, n, tokens, errors.count, len(state.committed_ids),
-                   shards, nbytes, load_s, warmup_s, extract_s, str(out.target) if out.target else None,
-                   up.get("uploaded_bytes", 0), up.get("upload_mb_s", 0.0), peak_local,
-                   max_model_len if job.backend == "vllm" else None)
+    s = Summary(str(cfg.output), job.backend, n, tokens, errors.count, len(state.committed_ids),
+                shards, nbytes, load_s, warmup_s, extract_s, str(out.target) if out.target else None,
+                up.get("uploaded_bytes", 0), up.get("upload_mb_s", 0.0), peak_local,
+                max_model_len if job.backend == "vllm" else None)
+    s.set_mfu(terms)
+    return s
 
 
 def require_samples(cfg: ExtractConfig, s: Summary) -> None:

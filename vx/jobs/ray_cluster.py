@@ -27,7 +27,9 @@ from vx.launch.ray_tasks import (
     run_tasks,
 )
 from vx.launch.workers import Tally, failed_partitions
-from vx.progress import RunProgress
+from vx.jobs.monitoring import watch_launcher
+from vx.monitor.flops import mfu_terms
+from vx.monitor.progress import RunProgress
 
 
 def run_ray(cfg: ExtractConfig, progress: bool | None = None):
@@ -57,17 +59,24 @@ def _run_ray(cfg: ExtractConfig, progress: bool | None):
     if not gpus:  # CPU cluster: engines on a node share its memory
         cpu_share = 0.3 / cpus_per_node()
     configs = [partition_config(cfg, i, None, cpu_share=cpu_share, portable=True) for i in range(cfg.num_partitions)]
-    bar = RunProgress(sum(balance["lines"]), enabled=progress)
+    bar = RunProgress(sum(balance["lines"]), enabled=progress, every=cfg.progress_every)
+    terms = mfu_terms(job.model_dir, job.layer_ids, engines, tp)
+    metrics = watch_launcher(bar, cfg, terms)
     t_start = time.perf_counter()
+    state = "failed"
     try:
         results, failed, attempts = run_tasks(configs, plan_payload(plan_file), tp if gpus else 0,
-                                              cfg.max_retries, Tally(bar), WORKER)
+                                              cfg.max_retries, Tally(bar, metrics), WORKER)
+        state = "failed" if failed else "done"
     finally:
-        bar.close()
+        bar.close(state)
+        if metrics is not None:
+            metrics.close()
     if failed:
         raise failed_partitions(failed, cfg.num_partitions, f" after {cfg.max_retries} retries",
                                 "Committed shards are kept")
     s = combine(cfg, job.backend, results, time.perf_counter() - t0, time.perf_counter() - t_start, balance)
     for p in s.partitions:
         p.update(node=results[p["partition"]].get("node"), attempts=attempts.get(p["partition"], 1))
+    s.set_mfu(terms)
     return s

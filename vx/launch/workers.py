@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from vx.errors import VxError
-from vx.progress import RunProgress
+from vx.monitor.progress import RunProgress
 
 GROUP_EXIT_S = 30.0  # a finished worker's engine processes get this long after SIGTERM, then SIGKILL
 
@@ -98,12 +98,18 @@ def read_events(stream, on_event) -> None:
 
 
 class Tally:
-    """Progress of every partition (latest counts per worker attempt) folded into one bar."""
+    """Progress of every partition (latest counts per worker attempt) folded into one bar; each
+    worker's own figures go to the bar's per-partition rows and to the metrics server, if any."""
 
-    def __init__(self, bar: RunProgress):
-        self.bar, self.seen, self.shown = bar, {}, (0, 0, 0)
+    def __init__(self, bar: RunProgress, metrics=None):
+        self.bar, self.metrics, self.seen, self.shown = bar, metrics, {}, (0, 0, 0)
 
     def update(self, key, rec: dict) -> None:
+        if rec.get("vx") == "progress" and "samples_per_s" in rec:
+            part = rec.get("partition", key)
+            self.bar.partition(part, rec)
+            if self.metrics is not None:
+                self.metrics.update(rec)
         self.seen[key] = (rec["samples"], rec["tokens"], rec["skipped"])
         s, t, k = (sum(v[i] for v in self.seen.values()) for i in range(3))
         ds, dt, dk = s - self.shown[0], t - self.shown[1], k - self.shown[2]
@@ -189,7 +195,7 @@ def run_partition_worker(argv: list[str], run) -> int:
     launcher, keeps to its cores, and reports progress and the summary that run(config dict,
     reporter) returns as JSON lines on stdout; errors map to exit codes as in the CLI."""
     from vx.errors import run_guarded
-    from vx.progress import EventProgress
+    from vx.monitor.progress import EventProgress
 
     d = json.loads(argv[0])
     _die_with_parent()

@@ -50,6 +50,8 @@ class RegenConfig:
     ray: bool = False
     ray_address: str | None = None
     max_retries: int = 3
+    metrics_port: int | None = None         # serve Prometheus metrics here (vx/monitor/metrics.py)
+    progress_every: float | None = None     # not a terminal: a progress line every this many s (None: 30)
     plan_file: str | None = None            # internal: the partition plan a launcher computed
 
     def __post_init__(self):

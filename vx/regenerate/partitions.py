@@ -48,7 +48,8 @@ def absolute(path: str | None) -> str | None:
 def worker_config(cfg: RegenConfig, index: int, plan_file: str | None, cpu_share: float | None) -> dict:
     child = replace(cfg, data_parallel_size=1, gpus=None, ray=False, ray_address=None, partition_index=index,
                     plan_file=plan_file, output=cfg.output.resolve(), data=absolute(cfg.data),
-                    model=absolute(cfg.model), chat_template=absolute(cfg.chat_template))
+                    model=absolute(cfg.model), chat_template=absolute(cfg.chat_template),
+                    metrics_port=None, progress_every=None)  # the launcher serves the metrics
     if child.gpu_memory_utilization is None and cpu_share is not None:
         child.gpu_memory_utilization = round(cpu_share, 3)
     return child.to_json()
@@ -58,9 +59,11 @@ def run_partitions(cfg: RegenConfig, progress: bool | None = None) -> dict:
     """Every partition on this node's engine slots, or on Ray; then one OUTPUT. Returns the summary."""
     from vx.launch.plan import part_name
     from vx.launch.workers import Tally, run_workers, spawn_worker, worker_slots
-    from vx.progress import RunProgress
+    from vx.monitor.progress import RunProgress
+    from vx.regenerate.run import watch_regeneration
 
     t0 = time.perf_counter()
+    failed = None
     if cfg.ray:
         from vx.launch.ray_tasks import cluster_engines, connect, require_ray
 
@@ -70,8 +73,9 @@ def run_partitions(cfg: RegenConfig, progress: bool | None = None) -> dict:
         if cfg.num_partitions == 1:  # default: one partition per engine the cluster can hold
             cfg = replace(cfg, num_partitions=engines)
     plan_file, lines = prepare_plan(cfg)
-    bar = RunProgress(sum(lines), enabled=progress, label="regenerate")
-    tally = Tally(bar)
+    bar = RunProgress(sum(lines), enabled=progress, label="regenerate", every=cfg.progress_every)
+    metrics = watch_regeneration(bar, cfg, None, engines=cfg.num_partitions if cfg.ray else len(worker_slots(cfg)))
+    tally = Tally(bar, metrics)
     logs = parts_dir(cfg.output)
     try:
         if cfg.ray:
@@ -93,7 +97,9 @@ def run_partitions(cfg: RegenConfig, progress: bool | None = None) -> dict:
 
             results, failed = run_workers(cfg.num_partitions, slots, start, tally)
     finally:
-        bar.close()
+        bar.close("failed" if failed is None or failed else "done")
+        if metrics is not None:
+            metrics.close()
     if failed:
         raise failed_partitions(failed, cfg.num_partitions, "",
                                 f"Every committed conversation is kept in {parts_dir(cfg.output)}")

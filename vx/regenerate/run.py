@@ -71,7 +71,7 @@ def partition_rows(cfg: RegenConfig, source: Input, model_dir: Path):
 def run_regenerate(cfg: RegenConfig, progress: bool | None = None, reporter=None) -> dict:
     """One process: the whole input, or one partition of it (cfg.partition_index)."""
     from vx.data.model import load_tokenizer, resolve_model
-    from vx.progress import RunProgress
+    from vx.monitor.progress import RunProgress
 
     model_dir = resolve_model(cfg.model)
     tokenizer = load_tokenizer(model_dir)
@@ -87,9 +87,11 @@ def run_regenerate(cfg: RegenConfig, progress: bool | None = None, reporter=None
     path = part_path(cfg.output, cfg.partition_index, cfg.num_partitions) if part else cfg.output
     sidecar(path, ".done").unlink(missing_ok=True)
     out = RegenOutput(path, merged=cfg.output if part else None)
-    bar = reporter or RunProgress(total, enabled=progress, label="regenerate")
+    bar = reporter or RunProgress(total, enabled=progress, label="regenerate", every=cfg.progress_every)
     stats = {"conversations": 0, "turns": 0, "generated_tokens": 0, "truncated": 0, "dropped": 0, "errors": 0,
              "skipped": 0, "output": str(cfg.output), "partition": cfg.partition_index}
+    bar.meter.total = total
+    metrics = watch_regeneration(bar, cfg, stats)
 
     def todo():
         """The conversations still to regenerate, in input order; bad records reported on the way."""
@@ -116,6 +118,7 @@ def run_regenerate(cfg: RegenConfig, progress: bool | None = None, reporter=None
                 continue
             yield conv
 
+    state = "failed"
     try:
         convs = todo()
         first = next(convs, None)  # nothing left to do (a finished partition): no engine to start
@@ -123,9 +126,12 @@ def run_regenerate(cfg: RegenConfig, progress: bool | None = None, reporter=None
             from vx.regenerate.engine import generate
 
             stats.update(generate(cfg, model_dir, tokenizer, chat, separate, first, convs, out, bar, stats))
+        state = "done"
     finally:
         out.close()
-        bar.close()
+        bar.close(state)
+        if metrics is not None:
+            metrics.close()
     if part:
         sidecar(path, ".done").touch()  # every row of the partition is written, skipped or in errors
         stats["merged"] = merge_when_complete(cfg.output, cfg.num_partitions)
@@ -142,3 +148,23 @@ def merge_when_complete(output: Path, count: int) -> bool:
         return merge_parts(output, count)["complete"]
     except UsageError:  # another partition holds the merge lock: it merges
         return False
+
+
+def watch_regeneration(bar, cfg: RegenConfig, stats: dict | None, engines: int = 1):
+    """The live figures of a regeneration: MFU of decode over the whole model (2 FLOPs per weight
+    per generated token), device memory, bad records; --metrics-port. Returns the server or None."""
+    from vx.data.model import resolve_model
+    from vx.monitor.flops import mfu_terms
+    from vx.monitor.metrics import serve_metrics
+    from vx.monitor.probe import DeviceProbe
+
+    terms = mfu_terms(resolve_model(cfg.model), None, engines, cfg.tensor_parallel_size)
+    m = bar.meter
+    m.flops_per_token, m.peak_flops = terms["flops_per_token"], terms["peak_flops"]
+    m.sources.append(DeviceProbe())
+    if stats is not None:
+        m.sources.append(lambda: {"bad_records": stats["errors"]})
+    server = serve_metrics(cfg.metrics_port, "regenerate")
+    if server is not None and stats is not None:  # a launcher's (stats None) is fed by its Tally
+        bar.add_sink(server.update)
+    return server

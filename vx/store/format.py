@@ -165,4 +165,6 @@ PLAN_DIR = ".vx-plan"
 END = "end.json"
 READERS = ".vx-readers"     # follow readers' consumption records: rank-R-of-W.json
 DROPPED = "dropped.jsonl"   # shards deleted by --retain-gb once consumed: one {"shard": name} per line
+PROGRESS = "progress.json"  # each writer's latest figures (vx/store/progress_log.py), every few seconds
+HISTORY = "progress.jsonl"  # and every snapshot it took, appended: vx inspect --plot
 RETAIN = "retain.json"      # at the root while --retain-gb holds: {"retain_gb": G, "writers": P}

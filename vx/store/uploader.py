@@ -78,6 +78,8 @@ class Uploader:
         self.bytes = 0
         self.seconds = 0.0
         self.committed_bytes = 0  # seen in the local manifest this run
+        self.retries = 0          # S3 requests botocore retried (RetryAttempts of each response)
+        self.client.meta.events.register("after-call.s3", self._count_retries)
         self._last_flush = time.monotonic()
         self._published: dict[str, tuple] = {}  # vx.json, errors.jsonl: their stat when last put
         (self.out / UPLOAD_FAILED).unlink(missing_ok=True)
@@ -163,12 +165,13 @@ class Uploader:
         self._to_delete.clear()
         self._last_flush = time.monotonic()
 
-    def status_line(self) -> str:
-        """Committed, uploaded and pending bytes, upload MB/s and local disk in use, for the bar."""
-        mbs = self.bytes / self.seconds / 1e6 if self.seconds else 0.0
-        pending = max(0, self.committed_bytes - self.bytes)
-        return (f"S3 up {self.bytes / 1e6:,.0f}/{self.committed_bytes / 1e6:,.0f} MB ({mbs:,.0f} MB/s), "
-                f"pending {pending / 1e6:,.0f} MB, local {local_shard_bytes(self.out) / 1e6:,.0f} MB")
+    def _count_retries(self, parsed=None, **_) -> None:
+        self.retries += ((parsed or {}).get("ResponseMetadata") or {}).get("RetryAttempts", 0)
+
+    def figures(self) -> dict:
+        """For the run's snapshot (vx/monitor/meter.py): uploaded, waiting, on local disk, retried."""
+        return {"bytes_uploaded": self.bytes, "upload_backlog_bytes": max(0, self.committed_bytes - self.bytes),
+                "local_bytes": local_shard_bytes(self.out), "upload_retries": self.retries}
 
     def finish(self) -> dict:
         """Upload what is left, publish the final manifest; raise if anything failed."""
