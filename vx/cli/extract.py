@@ -155,7 +155,14 @@ def _print_summary(s, report) -> None:
     print(f"time         load {s.load_s:.1f}s, warm-up {s.warmup_s:.1f}s, extract {s.extract_s:.1f}s")
     if s.max_model_len:
         print(f"engine       max_model_len {s.max_model_len:,} (the longest sample + 1, unless --max-model-len)")
-    print(f"speed        {s.samples_per_s:,.2f} samples/s, {s.tokens_per_s:,.0f} tokens/s")
+    print(f"speed        {s.samples_per_s:,.2f} samples/s, {s.tokens_per_s:,.0f} tokens/s"
+          + (f", MFU {s.mfu:.1%} of {s.peak}" if s.mfu is not None else ""))
+    d = s.device or {}
+    if d.get("device_memory_peak_bytes") or d.get("gpu_utilization_mean") is not None:
+        print("device       " + ", ".join(x for x in (
+            f"peak memory in use {d['device_memory_peak_bytes'] / 1e9:,.2f} GB" if d.get("device_memory_peak_bytes") else "",
+            f"GPU utilisation {d['gpu_utilization_mean']:.0%} on average" if d.get("gpu_utilization_mean") is not None
+            else "") if x))
     if s.upload:
         print(f"uploaded     {s.uploaded_bytes / 1e6:,.1f} MB to {s.upload} at {s.upload_mb_s:,.1f} MB/s; "
               f"peak local shards {s.peak_local_bytes / 1e6:,.1f} MB")

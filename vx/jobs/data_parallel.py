@@ -84,7 +84,7 @@ def run_data_parallel(cfg: ExtractConfig, progress: bool | None = None):
     if failed:
         raise failed_partitions(failed, cfg.num_partitions, "", "The others' work and every committed shard are kept")
     s = combine(cfg, job.backend, results, time.perf_counter() - t0, time.perf_counter() - t_start, balance)
-    s.set_mfu(terms)
+    s.set_mfu(terms, bar.meter)
     return s
 
 

@@ -45,13 +45,16 @@ class Summary:
     partitions: list | None = None  # data parallel / Ray: one summary per partition
     balance: dict | None = None     # tokens per partition and their spread
     regenerated: dict | None = None  # --regenerate: the regeneration's summary (vx/pipeline/one_pass.py)
-    mfu: float | None = None         # over the extraction (vx/jobs/monitoring.py mfu_terms)
+    mfu: float | None = None         # over the extraction (vx/monitor/flops.py mfu_terms)
     peak: str | None = None          # the peak it is of
+    device: dict | None = None       # device_memory_peak_bytes, gpu_utilization_mean, upload_retries
 
-    def set_mfu(self, terms: dict) -> None:
+    def set_mfu(self, terms: dict, meter=None) -> None:
         from vx.monitor.meter import mfu
 
         self.mfu, self.peak = mfu(self.tokens_per_s, terms["flops_per_token"], terms["peak_flops"]), terms["peak"]
+        if meter is not None:
+            self.device = dict(meter.totals)
 
     @property
     def samples_per_s(self) -> float:
@@ -246,7 +249,7 @@ def _extract_locked(cfg, job, out: Output, lines, elsewhere, progress, reporter,
                 shards, nbytes, load_s, warmup_s, extract_s, str(out.target) if out.target else None,
                 up.get("uploaded_bytes", 0), up.get("upload_mb_s", 0.0), peak_local,
                 max_model_len if job.backend == "vllm" else None)
-    s.set_mfu(terms)
+    s.set_mfu(terms, bar.meter)
     return s
 
 

@@ -78,5 +78,5 @@ def _run_ray(cfg: ExtractConfig, progress: bool | None):
     s = combine(cfg, job.backend, results, time.perf_counter() - t0, time.perf_counter() - t_start, balance)
     for p in s.partitions:
         p.update(node=results[p["partition"]].get("node"), attempts=attempts.get(p["partition"], 1))
-    s.set_mfu(terms)
+    s.set_mfu(terms, bar.meter)
     return s

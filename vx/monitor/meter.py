@@ -29,6 +29,8 @@ class Meter:
         self.state = "starting"                  # starting -> running -> done | failed
         self.sources: list = []                  # callables -> dict merged into each snapshot
         self._window: deque = deque([(time.monotonic(), 0, 0)])
+        self.totals: dict = {}  # run-long figures for the summary (_track)
+        self._util: list[float] = []
         self._lock = threading.Lock()
 
     def advance(self, samples: int, tokens: int, written_bytes: int | None = None) -> None:
@@ -71,7 +73,20 @@ class Meter:
                 snap.update(source())
             except Exception:  # a figure that cannot be read now is left out, never fatal
                 pass
+        self._track(snap)
         return snap
+
+    def _track(self, snap: dict) -> None:
+        """The run-long figures of the summary: peak device memory, mean GPU utilisation while
+        running, S3 retries."""
+        t = self.totals
+        if snap.get("device_memory_bytes"):
+            t["device_memory_peak_bytes"] = max(t.get("device_memory_peak_bytes", 0), snap["device_memory_bytes"])
+        if snap.get("gpu_utilization") is not None and self.state == "running":
+            self._util.append(snap["gpu_utilization"])
+            t["gpu_utilization_mean"] = round(sum(self._util) / len(self._util), 3)
+        if snap.get("upload_retries") is not None:
+            t["upload_retries"] = snap["upload_retries"]
 
 
 def mfu(tokens_per_s: float, flops_per_token: float | None, peak: float | None) -> float | None:

@@ -31,9 +31,6 @@ from vx.data.samples import Sample
 from vx.errors import VxError
 
 CPU_STEP_TOKENS = 512  # on CPU a small step, so that short samples are chunked too
-# dense bf16 peak FLOP/s by device name (datasheets); MFU is shown only for these
-PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "B200": 2250e12, "GB200": 2500e12,
-             "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L4": 121e12}
 
 
 @dataclass
@@ -154,13 +151,17 @@ def _run(cfg: SelftestConfig, report: SelftestReport, on_gpu: bool, work: Path) 
         from vx.pipeline.selftest_one_pass import check_one_pass
 
         check_one_pass(report, cfg, model_dir, info, work, on_gpu)
-    flops = 2 * _layer_params(model_dir, info) * tokens
-    peak = _peak_flops() if on_gpu else None
+    from vx.monitor.flops import flops_per_token
+    from vx.monitor.peak import peak_flops
+
+    flops = flops_per_token(model_dir) * tokens
+    peak, peak_what = peak_flops(cfg.tensor_parallel_size) if on_gpu else (None, "")
     speed = f"vx {tokens / vx_s:,.0f} tokens/s" + (f" (MFU {flops / vx_s / peak:.1%})" if peak else "")
     if bare_s:
         speed = f"bare vLLM prefill {tokens / bare_s:,.0f} tokens/s" + \
             (f" (MFU {flops / bare_s / peak:.1%})" if peak else "") + f"; {speed}; vx/bare {bare_s / vx_s:.3f}x"
-    report.row("throughput", speed + ("" if peak else "; MFU: no known peak for this device"))
+    report.row("throughput", speed + (f" (peak: {peak_what})" if peak else
+                                      f"; MFU: {peak_what or 'shown on GPUs (on CPU: vx extract measures the peak)'}"))
     report.result.update(vx_tokens_per_s=tokens / vx_s, bare_tokens_per_s=tokens / bare_s if bare_s else None,
                          ratio=bare_s / vx_s if bare_s else None, tokens=tokens, samples=len(samples),
                          total_s=time.perf_counter() - t0)
@@ -181,9 +182,19 @@ def _run_vx(model_dir, layers, samples, info, out: Path, common: dict) -> tuple[
                 "model_type": info.model_type, "format": "vx-1"}
         (out / "vx.json").write_text(json.dumps(dict(meta, layer_ids=layers, hidden_size=info.hidden_size,
                                                      num_layers=info.num_layers)))
+        from vx.monitor.meter import Meter, Ticker
+        from vx.monitor.probe import DeviceProbe
+
+        meter = Meter()  # the live figures' device readings (NVML on a GPU), taken as vx runs
+        meter.sources.append(DeviceProbe())
+        meter.state = "running"
+        ticker = Ticker(meter, [], every=0.2).start()
         t = time.perf_counter()
-        stats = ex.run(samples, out, meta, 1 << 30, 0, info.hidden_size, "bf16",
-                       on_reject=lambda s, why: rejected.append((s.id, why)))
+        try:
+            stats = ex.run(samples, out, meta, 1 << 30, 0, info.hidden_size, "bf16",
+                           on_reject=lambda s, why: rejected.append((s.id, why)))
+        finally:
+            ticker.stop()
         wall = time.perf_counter() - t
     finally:
         ex.close()
@@ -192,7 +203,16 @@ def _run_vx(model_dir, layers, samples, info, out: Path, common: dict) -> tuple[
     return wall, (f"{runner}, {graphs}, step {ex.max_num_batched_tokens:,} tokens, max_model_len "
                   f"{ex.max_model_len:,}, warm-up {ex.warmup_s:.1f}s; capture chunk {stats.get('chunk_rows'):,} "
                   f"rows, pinned ring {stats.get('ring_bytes', 0) / 2**20:,.0f} MiB, written from it "
-                  f"{_share(stats.get('zero_copy_rows', 0), stats.get('copied_rows', 0))}")
+                  f"{_share(stats.get('zero_copy_rows', 0), stats.get('copied_rows', 0))}; {_device(meter.totals)}")
+
+
+def _device(t: dict) -> str:
+    """What the live figures read from the device while vx ran (vx/monitor/probe.py)."""
+    mem = t.get("device_memory_peak_bytes")
+    util = t.get("gpu_utilization_mean")
+    if util is not None:
+        return f"NVML: up to {mem / 2**30:,.1f} GiB in use, GPU utilisation {util:.0%} on average"
+    return f"resident memory up to {mem / 2**30:,.1f} GiB (no GPU: no NVML)" if mem else "no device readings"
 
 
 def _share(zero_copy: int, copied: int) -> str:
@@ -274,26 +294,3 @@ def _compare(report: SelftestReport, out: Path, samples, model_dir, info) -> Non
     report.row("reference", f"HF {ref.why}")
     report.row("bound", f"per sample and layer: cosine >= {limit.min_cosine}, max |diff| <= {limit.max_rel_diff} "
                         "x max |ref|")
-
-
-def _layer_params(model_dir, info) -> int:
-    """Parameters of the decoder layers (the useful FLOPs: 2 x these per token, attention aside)."""
-    from safetensors import safe_open
-
-    total = 0
-    for f in Path(model_dir).glob("*.safetensors"):
-        with safe_open(str(f), "pt") as st:
-            for name in st.keys():
-                if ".layers." in name and "visual" not in name:
-                    n = 1
-                    for d in st.get_slice(name).get_shape():
-                        n *= int(d)
-                    total += n
-    return total
-
-
-def _peak_flops() -> float | None:
-    import torch
-
-    name = torch.cuda.get_device_name(0)
-    return next((v for k, v in sorted(PEAK_BF16.items(), key=lambda kv: -len(kv[0])) if k in name), None)
