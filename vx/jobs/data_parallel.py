@@ -113,7 +113,7 @@ def _start(cfg, index, slot_env, plan_file, cpu_share, logs, events):
 
 def combine(cfg, backend: str, results: dict[int, dict], total_s: float, extract_s: float, balance: dict):
     """One Summary for the run: sums, and per partition its samples, tokens and finish time."""
-    from vx.jobs.extract import Summary
+    from vx.jobs.summary import Summary
     from vx.launch.plan import spread
 
     parts = [dict(partition=i, **{k: r[k] for k in ("samples", "tokens", "errors", "resumed_samples", "shards",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from itertools import chain
 from pathlib import Path
 from typing import Iterator
@@ -16,58 +16,13 @@ from vx.data.model import load_tokenizer, model_info, resolve_model
 from vx.data.samples import BadLine, Sample, Tokenize, read_samples
 from vx.errors import UsageError, VxError
 from vx.jobs.config import ExtractConfig
+from vx.jobs.summary import Summary
 from vx.jobs.monitoring import watch_writer
 from vx.monitor.flops import mfu_terms
 from vx.monitor.progress import RunProgress
 from vx.store.format import ERRORS, RETAIN
 from vx.store.output import ErrorLog, Output
 from vx.store.writer import ShardWriter
-
-
-@dataclass
-class Summary:
-    output: str
-    backend: str
-    samples: int
-    tokens: int
-    errors: int
-    resumed_samples: int
-    shards: int
-    bytes_written: int
-    load_s: float
-    warmup_s: float
-    extract_s: float
-    upload: str | None = None
-    uploaded_bytes: int = 0
-    upload_mb_s: float = 0.0
-    peak_local_bytes: int = 0
-    max_model_len: int | None = None  # vllm: the engine's longest request (the longest sample + 1)
-    partitions: list | None = None  # data parallel / Ray: one summary per partition
-    balance: dict | None = None     # tokens per partition and their spread
-    regenerated: dict | None = None  # --regenerate: the regeneration's summary (vx/pipeline/one_pass.py)
-    mfu: float | None = None         # over the extraction (vx/monitor/flops.py mfu_terms)
-    peak: str | None = None          # the peak it is of
-    device: dict | None = None       # device_memory_peak_bytes, gpu_utilization_mean, upload_retries
-
-    def set_mfu(self, terms: dict, meter=None) -> None:
-        from vx.monitor.meter import mfu
-
-        self.mfu, self.peak = mfu(self.tokens_per_s, terms["flops_per_token"], terms["peak_flops"]), terms["peak"]
-        if meter is not None:
-            self.device = dict(meter.totals)
-
-    @property
-    def samples_per_s(self) -> float:
-        return self.samples / self.extract_s if self.extract_s else 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.extract_s if self.extract_s else 0.0
-
-    def to_json(self) -> dict:
-        d = asdict(self)
-        d.update(samples_per_s=round(self.samples_per_s, 2), tokens_per_s=round(self.tokens_per_s, 1))
-        return d
 
 
 def vllm_available() -> bool:

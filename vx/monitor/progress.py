@@ -143,7 +143,10 @@ class EventProgress:
     at the end."""
 
     def __init__(self, stream, partition: int, every: float = 1.0):
+        import threading
+
         self.stream, self.partition = stream, partition
+        self._lock = threading.Lock()  # the ticker's events and the summary: whole lines, never mixed
         self.meter = Meter(None, partition=partition)
         self.parts: dict = {}
         self.ticker = Ticker(self.meter, [self._send], every=every).start()
@@ -167,8 +170,9 @@ class EventProgress:
 
         rec = {"vx": event, "partition": self.partition, "samples": self.meter.samples,
                "tokens": self.meter.tokens, "skipped": self.meter.skipped, **extra}
-        self.stream.write(json.dumps(rec) + "\n")
-        self.stream.flush()
+        with self._lock:
+            self.stream.write(json.dumps(rec) + "\n")
+            self.stream.flush()
 
     def advance(self, samples: int, tokens: int, written_bytes: int | None = None) -> None:
         self.meter.advance(samples, tokens, written_bytes)
