@@ -24,9 +24,8 @@ from vx.store.format import (
     DROPPED,
     END,
     ERRORS,
-    HISTORY,
     MANIFEST,
-    PROGRESS,
+    RUN_FILES,
     RUN_META,
     output_dirs,
     part_dirs,
@@ -258,7 +257,7 @@ def prepare_output(out: Path, meta: dict, overwrite: bool) -> ResumeState:
     if holder:
         raise UsageError(f"{out} is still being written by {holder}; stop that process first")
     if overwrite and out.exists():
-        for name in [MANIFEST, ERRORS, RUN_META, END, DROPPED, PROGRESS, HISTORY]:
+        for name in RUN_FILES:
             (out / name).unlink(missing_ok=True)
         for f in out.glob("shard-*.safetensors*"):
             f.unlink()

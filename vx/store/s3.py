@@ -9,7 +9,7 @@ from pathlib import Path
 
 from vx.errors import UsageError
 from vx.s3_client import S3Target, make_client
-from vx.store.format import DROPPED, END, ERRORS, HISTORY, MANIFEST, PROGRESS, READERS, RUN_META
+from vx.store.format import DROPPED, END, ERRORS, MANIFEST, READERS, RUN_FILES, RUN_META
 
 
 def preflight(target: S3Target, endpoint_url: str | None) -> None:
@@ -112,8 +112,7 @@ def layout_names(client, target: S3Target):
         for obj in page.get("Contents", []):
             name = obj["Key"][len(target.key("")):]
             head, _, base = name.rpartition("/")
-            if (not head or PART_RE.match(head)) and (base.startswith("shard-") or base in (MANIFEST, ERRORS, RUN_META,
-                                                                                            END, DROPPED, PROGRESS, HISTORY)):
+            if (not head or PART_RE.match(head)) and (base.startswith("shard-") or base in RUN_FILES):
                 yield obj["Key"], name
             elif head == READERS:  # follow readers' records: --overwrite starts a new stream
                 yield obj["Key"], name
