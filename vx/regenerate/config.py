@@ -63,7 +63,9 @@ class RegenConfig:
             raise UsageError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         from vx.data.chat import check_template_options
         from vx.launch.options import check_scale_out
+        from vx.monitor.metrics import check_options
 
+        check_options(self)
         self.template_kwargs = check_template_options(self.chat_template, self.chat_template_kwargs)
         if not (self.num_partitions > 1 and self.partition_index is None and self.data_parallel_size == 1
                 and not self.ray and self.gpus is None):  # --num-partitions alone: one engine, in turn

@@ -1,0 +1,58 @@
+"""Every mistake on the command line gets help or one line on stderr and exit code 2, never a
+traceback: what a new user types first (issue: typer vendoring click printed tracebacks).
+Runs the real parser in-process (vx.cli.main), on the typer this install resolved (pyproject
+allows typer >= 0.12; CI resolves the newest)."""
+
+import pytest
+
+COMMANDS = ["extract", "regenerate", "inspect", "verify", "export", "selftest", "bench"]
+
+
+def run(argv, capsys):
+    from vx.cli import main
+
+    code = main(argv)
+    out = capsys.readouterr()
+    assert "Traceback" not in out.out + out.err, (argv, out.err[-2000:])
+    return code, out
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["-h"]] + [[c, "--help"] for c in COMMANDS])
+def test_help_is_exit_0_and_shows_usage(argv, capsys):
+    code, out = run(argv, capsys)
+    assert code == 0 and "Usage" in out.out
+
+
+@pytest.mark.parametrize("argv", [[], ["extract"], ["regenerate"], ["inspect"], ["verify"], ["export"],
+                                  ["frobnicate"], ["extract", "d.jsonl", "--bogus"], ["inspect", "out", "--bogus"],
+                                  ["verify", "out", "--samples"], ["extract", "d.jsonl", "--dp", "two"],
+                                  ["extract", "d.jsonl", "--metrics-port", "port"], ["--bogus"]])
+def test_what_the_parser_catches_is_usage_and_exit_2(argv, capsys):
+    code, out = run(argv, capsys)
+    one_line = len(out.err.strip().splitlines()) == 1 and out.err.startswith("Error: ")  # e.g. a missing value
+    assert code == 2 and ("Usage" in out.out + out.err or one_line), (argv, out.err)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["extract", "examples/chat.jsonl", "--shard-size", "-1"], "--shard-size must be > 0"),
+    (["extract", "examples/chat.jsonl", "--store-dtype", "fp7"], "--store-dtype must be one of"),
+    (["extract", "examples/chat.jsonl", "--batch-size", "0"], "--batch-size must be >= 1"),
+    (["extract", "examples/chat.jsonl", "--metrics-port", "70000"], "--metrics-port must be a TCP port"),
+    (["extract", "examples/chat.jsonl", "--progress-every", "-1"], "--progress-every must be >= 0"),
+    (["extract", "examples/chat.jsonl", "--backend", "tpu"], "--backend must be one of"),
+    (["extract", "examples/chat.jsonl", "--gpus", "a,b"], "--gpus must be comma-separated"),
+    (["extract", "/nonexistent/d.jsonl"], "/nonexistent/d.jsonl"),
+    (["extract", "examples/chat.jsonl", "-o", "s3://"], "is not an s3://bucket/prefix URL"),
+    (["extract", "examples/chat.jsonl", "--upload", "s3:/bucket"], "is not an s3://bucket/prefix URL"),
+    (["extract", "examples/chat.jsonl", "--layers", "1,x"], "--layers must be comma-separated integers"),
+    (["extract", "examples/chat.jsonl", "--compress", "lz4"], "--compress must be zstd"),
+    (["extract", "examples/chat.jsonl", "--dtype", "fp64"], "--dtype must be one of"),
+    (["regenerate", "examples/chat.jsonl", "--metrics-port", "-5"], "--metrics-port must be a TCP port"),
+    (["inspect", "s3://bucket/run", "--watch", "--interval", "0"], "--interval and --stall-after must be > 0"),
+    (["inspect", "s3://bucket/run"], "with --watch or --plot"),
+    (["inspect", "/nonexistent/out"], "/nonexistent/out is not a directory"),
+])
+def test_a_bad_value_is_one_line_naming_it_and_exit_2(argv, says, capsys):
+    code, out = run(argv, capsys)
+    lines = out.err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("vx: error: ") and says in lines[0], (argv, out.err)
