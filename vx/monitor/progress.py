@@ -59,7 +59,26 @@ def figures(snap: dict, label: str) -> str:
     return "  ".join(parts)
 
 
-class RunProgress:
+class _Reporter:
+    """What RunProgress and EventProgress share: a meter, and the ticker that feeds its sinks."""
+
+    meter: Meter
+    ticker: Ticker
+
+    @property
+    def samples(self) -> int:
+        return self.meter.samples
+
+    @property
+    def tokens(self) -> int:
+        return self.meter.tokens
+
+    def add_sink(self, sink) -> None:
+        """sink(snapshot, final) is called each second and at the end (vx/monitor/meter.py Ticker)."""
+        self.ticker.sinks.append(sink)
+
+
+class RunProgress(_Reporter):
     def __init__(self, total: int | None, enabled: bool | None = None, label: str = "extract",
                  every: float | None = None):
         self.console = Console(stderr=True)
@@ -80,17 +99,6 @@ class RunProgress:
             self._bar.start()
         self.ticker = Ticker(self.meter, [self._show]).start()
 
-    @property
-    def samples(self) -> int:
-        return self.meter.samples
-
-    @property
-    def tokens(self) -> int:
-        return self.meter.tokens
-
-    def add_sink(self, sink) -> None:
-        """sink(snapshot, final) is called each second and at the end (vx/monitor/meter.py Ticker)."""
-        self.ticker.sinks.append(sink)
 
     def advance(self, samples: int, tokens: int, written_bytes: int | None = None) -> None:
         self.meter.advance(samples, tokens, written_bytes)
@@ -137,7 +145,7 @@ class RunProgress:
             self._bar.stop()
 
 
-class EventProgress:
+class EventProgress(_Reporter):
     """RunProgress's interface for a partition worker: JSON progress lines on a stream (its
     stdout, read by the launcher) carrying its Meter's snapshot, every `every` seconds and once
     at the end."""
@@ -151,16 +159,6 @@ class EventProgress:
         self.parts: dict = {}
         self.ticker = Ticker(self.meter, [self._send], every=every).start()
 
-    @property
-    def samples(self) -> int:
-        return self.meter.samples
-
-    @property
-    def tokens(self) -> int:
-        return self.meter.tokens
-
-    def add_sink(self, sink) -> None:
-        self.ticker.sinks.append(sink)
 
     def _send(self, snap: dict, final: bool) -> None:
         self.emit("progress", **snap)
