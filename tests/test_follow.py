@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -142,10 +143,16 @@ def committed_shards(client, prefix) -> int:
     return n
 
 
-def wait_for(cond, what, timeout=300):
-    deadline = time.monotonic() + timeout
+def wait_for(cond, what, progress, logs=(), stall=300):
+    """Wait for cond(); fail only once progress() (what the processes have done so far) stayed the same
+    for `stall` seconds: a loaded machine makes them slow, which is not what this test is about."""
+    last, since = progress(), time.monotonic()
     while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        now = progress()
+        if now != last:
+            last, since = now, time.monotonic()
+        assert time.monotonic() - since < stall, (f"no progress for {stall} s waiting for {what} (at {last}): " +
+                                                  " | ".join(Path(f).read_text()[-1500:] for f in logs))
         time.sleep(0.2)
 
 
@@ -172,7 +179,7 @@ def test_train_while_extracting_to_s3_exactly_once_through_kills_with_bounded_st
         while not stop.is_set():
             b, c = shard_objects(client, "run")
             peak[0], peak[1] = max(peak[0], b), max(peak[1], c)
-            time.sleep(0.05)
+            time.sleep(0.1)
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
@@ -180,14 +187,17 @@ def test_train_while_extracting_to_s3_exactly_once_through_kills_with_bounded_st
         ex = run_bg(extract, env, tmp_path / "extract1.log")
         tr = run_bg(train, env, tmp_path / "train1.log")
         # kill -9 the extraction (launcher and workers) once part of it is committed, then rerun it
-        wait_for(lambda: committed_shards(client, "run") >= 30 or ex.poll() is not None, "30 committed shards")
+        wait_for(lambda: committed_shards(client, "run") >= 30 or ex.poll() is not None, "30 committed shards",
+                 progress=lambda: committed_shards(client, "run"), logs=[tmp_path / "extract1.log"])
         assert ex.poll() is None, (tmp_path / "extract1.log").read_text()[-2000:]
         os.killpg(ex.pid, signal.SIGKILL)
         ex.wait()
         ex = run_bg(extract, env, tmp_path / "extract2.log")
         # kill -9 trainer rank 1 mid-epoch; torchrun stops the group; restart from the checkpoints
         trace1 = tmp_path / "trace.rank1"
-        wait_for(lambda: trace1.exists() and len(trace1.read_text().splitlines()) >= 12, "12 steps of rank 1")
+        steps1 = lambda: len(trace1.read_text().splitlines()) if trace1.exists() else 0  # noqa: E731
+        wait_for(lambda: steps1() >= 12, "12 steps of rank 1", progress=lambda: (steps1(), committed_shards(client, "run")),
+                 logs=[tmp_path / "train1.log", tmp_path / "extract2.log"])
         workers = subprocess.run(["pgrep", "-f", "examples/train_draft.py"], capture_output=True, text=True).stdout
         rank1 = [int(p) for p in workers.split()
                  if int(p) != tr.pid and "RANK=1" in open(f"/proc/{p}/environ").read().split("\0")]
