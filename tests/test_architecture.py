@@ -84,3 +84,16 @@ def test_every_import_of_a_vx_name_resolves_also_inside_functions():
                             f"{node.module}.{alias.name}") is None:
                         missing.append(f"{p.relative_to(ROOT)}:{node.lineno}: {node.module} has no {alias.name}")
     assert missing == []
+
+
+def test_every_failpoint_in_the_code_is_named_in_the_registry_and_back():
+    """The fault campaign draws from vx.faults.POINTS: a point the code passes but POINTS lacks
+    would never be fired, a name POINTS keeps after its call is gone would be fired to no effect."""
+    import re
+
+    from vx import faults
+
+    called = set()
+    for path in (ROOT / "vx").rglob("*.py"):
+        called |= set(re.findall(r'faults\.point\("([a-z0-9-]+)"\)', path.read_text()))
+    assert called == set(faults.POINTS), (called ^ set(faults.POINTS))

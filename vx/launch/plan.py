@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vx import faults
 from vx.data.formats import TEXT, parse_line, sniff
 from vx.data.inputs import Input, InputFile
 from vx.data.samples import Reading, Tokenize, tokenize_for
@@ -145,6 +146,7 @@ def load_or_make_plan(root: Path, source: Input, model_dir: Path, fingerprint: s
         tmp = target.with_suffix(f".{os.getpid()}.tmp")
         with open(tmp, "wb") as f:  # concurrent makers write identical bytes; rename is atomic
             np.save(f, array)
+        faults.point("before-plan-publish")
         os.replace(tmp, target)
     return path
 

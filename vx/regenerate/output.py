@@ -83,7 +83,9 @@ class RegenOutput:
         if self._pending:
             self._f.write(b"".join(self._pending))
             self._f.flush()
+            faults.point("before-chunk-fsync")
             os.fsync(self._f.fileno())
+            faults.point("before-committed-mark")
             self._mark()
             self.written += len(self._pending)
             self._pending.clear()

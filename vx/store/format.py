@@ -82,6 +82,7 @@ def write_safetensors(path: Path, tensors: dict[str, list[torch.Tensor]], shapes
                 for buf in _buffers(len(blob).to_bytes(8, "little") + blob, tensors):
                     z.write(buf)
             f.flush()
+            faults.point("before-shard-fsync")
             os.fsync(f.fileno())
         return out.crc.n, out.crc.encoded()
     crc = Crc64()
@@ -89,10 +90,10 @@ def write_safetensors(path: Path, tensors: dict[str, list[torch.Tensor]], shapes
         for i, buf in enumerate(_buffers(len(blob).to_bytes(8, "little") + blob, tensors)):
             if i == 2:
                 faults.point("mid-shard-write")
-                faults.point("enospc")
             crc.update(buf)
             f.write(buf)
         f.flush()
+        faults.point("before-shard-fsync")
         os.fsync(f.fileno())
     return 8 + len(blob) + offset, crc.encoded()
 
@@ -151,6 +152,7 @@ def repair_manifest(path: Path) -> None:
     data = path.read_bytes()
     if data and not data.endswith(b"\n"):
         keep = data[: data.rfind(b"\n") + 1]
+        faults.point("repair-manifest")
         with open(path, "wb") as f:
             f.write(keep)
             f.flush()

@@ -266,8 +266,14 @@ class ShardWriter:
             self.guard()
         record = {"shard": name, "sample_ids": s.ids, "num_samples": len(s.ids), "num_tokens": s.tokens,
                   "sample_tokens": lengths, "bytes": nbytes, ALGO: crc}
+        line = json.dumps(record) + "\n"
         with open(self.out_dir / MANIFEST, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            if faults.armed("mid-manifest"):  # tests: a crash that leaves half the line (a torn append)
+                f.write(line[: len(line) // 2])
+                f.flush()
+                faults.point("mid-manifest")
+                line = line[len(line) // 2:]
+            f.write(line)
             f.flush()
             os.fsync(f.fileno())
         faults.point("after-manifest")
