@@ -6,6 +6,7 @@ run_guarded."""
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
@@ -89,6 +90,19 @@ def run_guarded(body) -> int:
             raise
         print(f"vx: error: {e}", file=sys.stderr)
         return e.exit_code
+    except OSError as e:  # a disk or the network failed where no layer named it: one line, the remedy
+        if _terminated:
+            return _interrupted()
+        if os.environ.get("VX_DEBUG"):
+            raise
+        print(f"vx: error: {os_error_line(e)}", file=sys.stderr)
+        return 1
+
+
+def os_error_line(e: OSError) -> str:
+    what = f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
+    fix = "free space" if e.errno == errno.ENOSPC else "fix the cause"
+    return f"{what}; what was committed is kept: {fix} and rerun the same command to continue"
 
 
 def exit_now(e: VxError) -> None:

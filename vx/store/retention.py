@@ -16,11 +16,13 @@ never holds more than the local disk. Nothing a reader has not committed is dele
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
 from pathlib import Path
 
+from vx import faults
 from vx.store.format import DROPPED, READERS
 from vx.store.stream import Stream
 from vx.store.uploader import local_shard_bytes
@@ -77,8 +79,21 @@ class Retainer:
         prefix = f"{self.part}/" if self.part else ""
         self.dropped = sorted(n[len(prefix):] for n in self.stream.dropped() if n.startswith(prefix)
                               and "/" not in n[len(prefix):])
+        self._finish_drops(prefix)
         self._thread.start()
         return self
+
+    def _finish_drops(self, prefix: str) -> None:
+        """Delete what an earlier run listed as dropped but did not delete before it died: left in
+        place, those files would count against the bound forever and the writer would wait for room
+        that no reader can free (found by the fault campaign: a kill between listing and deleting)."""
+        for name in self.dropped:
+            (self.local_dir / name).unlink(missing_ok=True)
+        src = self.stream.src
+        if src.remote and self.dropped:
+            keys = [{"Key": src.target.key(prefix + n)} for n in self.dropped]
+            for i in range(0, len(keys), 1000):  # idempotent: deleting a deleted key is a success
+                src.client.delete_objects(Bucket=src.target.bucket, Delete={"Objects": keys[i:i + 1000], "Quiet": True})
 
     def _run(self) -> None:
         said = 0.0
@@ -112,15 +127,20 @@ class Retainer:
         self.dropped += [rec["shard"].rpartition("/")[2] for rec in records]
         body = "".join(json.dumps({"shard": n}) + "\n" for n in self.dropped)
         tmp = self.local_dir / f".{DROPPED}.tmp"
-        tmp.write_text(body)
+        with open(tmp, "w") as f:
+            f.write(body)
+            f.flush()
+            os.fsync(f.fileno())
         tmp.replace(self.local_dir / DROPPED)
         if src.remote:
             key = f"{self.part}/{DROPPED}" if self.part else DROPPED
             src.client.put_object(Bucket=src.target.bucket, Key=src.target.key(key), Body=body.encode())
+        faults.point("before-retain-delete")
         for rec in records:
             if src.remote:
                 src.client.delete_object(Bucket=src.target.bucket, Key=src.target.key(rec["shard"]))
             (self.local_dir / rec["shard"].rpartition("/")[2]).unlink(missing_ok=True)
+            faults.point("after-retain-delete")
             self.dropped_bytes += rec["bytes"]
 
     def stop(self, raise_error: bool = True) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -58,8 +59,10 @@ class Uploader:
     """Tails out/manifest.jsonl and mirrors committed shards to S3 (a thread in the driver)."""
 
     def __init__(self, out: Path, target: S3Target, endpoint_url: str | None, keep_local: bool = False,
-                 max_local_bytes: int | None = None, part_mb: int = 64, concurrency: int = 8):
+                 max_local_bytes: int | None = None, part_mb: int | None = None, concurrency: int = 8):
         from boto3.s3.transfer import TransferConfig
+
+        part_mb = part_mb or int(os.environ.get("VX_S3_PART_MB", "64"))  # S3's least is 5 (MiB)
 
         self.out, self.target, self.keep_local = Path(out), target, keep_local
         self.max_local_bytes = max_local_bytes
@@ -71,6 +74,7 @@ class Uploader:
         if not keep_local:  # a crash between the S3 manifest flush and the local delete left these
             for name in self._done:
                 (self.out / name).unlink(missing_ok=True)
+        self._abort_open_uploads()
         self._to_delete: list[str] = []
         self._offset = 0
         self._stop = threading.Event()
@@ -80,6 +84,8 @@ class Uploader:
         self.committed_bytes = 0  # seen in the local manifest this run
         self.retries = 0          # S3 requests botocore retried (RetryAttempts of each response)
         self.client.meta.events.register("after-call.s3", self._count_retries)
+        self.client.meta.events.register("before-call.s3.UploadPart", _upload_part_point)
+        self.client.meta.events.register("before-call.s3.CompleteMultipartUpload", _complete_point)
         self._last_flush = time.monotonic()
         self._published: dict[str, tuple] = {}  # vx.json, errors.jsonl: their stat when last put
         (self.out / UPLOAD_FAILED).unlink(missing_ok=True)
@@ -88,6 +94,16 @@ class Uploader:
     def start(self) -> "Uploader":
         self._thread.start()
         return self
+
+    def _abort_open_uploads(self) -> None:
+        """A writer killed mid-transfer leaves its multipart upload open: parts S3 keeps (and bills)
+        but never lists. This writer owns its shard keys (the output lock), so abort them: the
+        shard is uploaded again whole."""
+        prefix = self.target.key("shard-")
+        for page in self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.target.bucket,
+                                                                                 Prefix=prefix):
+            for u in page.get("Uploads", []):
+                self.client.abort_multipart_upload(Bucket=self.target.bucket, Key=u["Key"], UploadId=u["UploadId"])
 
     def _remote_manifest(self) -> list[dict]:
         return remote_manifest(self.target, None, self.client)
@@ -151,6 +167,7 @@ class Uploader:
     def _flush(self) -> None:
         """Publish the S3 manifest (only verified shards), errors and vx.json; then free local disk."""
         body = "".join(json.dumps(r) + "\n" for r in self.uploaded).encode()
+        faults.point("before-s3-manifest")
         self.client.put_object(Bucket=self.target.bucket, Key=self.target.key(MANIFEST), Body=body)
         faults.point("after-s3-manifest")
         for name in (ERRORS, RUN_META):  # each once it changed (vx.json: once a run)
@@ -180,3 +197,11 @@ class Uploader:
         if self.error is not None:
             raise VxError(f"upload to {self.target} failed: {self.error}") from self.error
         return {"uploaded_bytes": self.bytes, "upload_mb_s": self.bytes / self.seconds / 1e6 if self.seconds else 0.0}
+
+
+def _upload_part_point(**_) -> None:
+    faults.point("upload-part")
+
+
+def _complete_point(**_) -> None:
+    faults.point("before-multipart-complete")
