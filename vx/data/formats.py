@@ -8,7 +8,6 @@ import io
 import json
 from typing import Iterator
 
-from vx.errors import UsageError
 
 
 class BadRecord(Exception):
@@ -82,17 +81,55 @@ class BodyReader(io.RawIOBase):
 
 
 def decompressed(raw, kind: str):
-    if kind == GZIP:
-        return io.BufferedReader(gzip.GzipFile(fileobj=raw), buffer_size=1 << 20)
-    if kind == ZSTD:
-        import zstandard
-
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True),
-                                 buffer_size=1 << 20)
+    if kind in (GZIP, ZSTD):
+        return io.BufferedReader(_Inflate(raw, kind), buffer_size=1 << 20)
     return raw
 
 
+class _Inflate(io.RawIOBase):
+    """A gzip or zstd stream (any number of members/frames), decompressed as its bytes arrive: a
+    file cut short yields every byte before the cut, then EOFError (json_lines makes that a bad
+    line). gzip.GzipFile would lose up to a buffer's worth before raising."""
+
+    def __init__(self, raw, kind: str):
+        self.raw, self.kind, self.pending = raw, kind, b""
+        self.d = self._member()
+
+    def _member(self):
+        if self.kind == GZIP:
+            import zlib
+
+            return zlib.decompressobj(wbits=31)
+        import zstandard
+
+        return zstandard.ZstdDecompressor().decompressobj()
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        while not self.pending:
+            data = self.d.unused_data or self.raw.read(1 << 16)
+            if self.d.unused_data:  # the next gzip member or zstd frame
+                self.d = self._member()
+            if not data:
+                if self.d.eof or not getattr(self, "_started", False):
+                    return 0
+                raise EOFError("compressed file ended before the end-of-stream marker was reached")
+            self._started = True
+            try:
+                self.pending = self.d.decompress(data)
+            except Exception as e:  # zlib.error / zstandard.ZstdError: corrupt bytes
+                raise OSError(f"corrupt {self.kind} data: {e}") from None
+            if self.d.eof and not self.d.unused_data:
+                self._started = False
+        n = min(len(b), len(self.pending))
+        b[:n], self.pending = self.pending[:n], self.pending[n:]
+        return n
+
+
 def json_lines(stream) -> Iterator[tuple[int, dict | None, str | None]]:
+    lineno = 0
     try:
         for lineno, raw in enumerate(stream, start=1):
             if not raw.strip():
@@ -102,8 +139,20 @@ def json_lines(stream) -> Iterator[tuple[int, dict | None, str | None]]:
                 yield lineno, parse_line(raw), None
             except BadRecord as e:
                 yield lineno, None, str(e)
-    except (OSError, EOFError) as e:  # a corrupt or truncated compressed stream
-        raise UsageError(f"cannot decompress the dataset: {e}") from None
+    except (OSError, EOFError) as e:  # a truncated or corrupt compressed stream: a bad line where it broke
+        yield lineno + 1, None, (f"the compressed file is cut short or corrupt after line {lineno} ({e}): "
+                                 "the lines before are read; fetch the file again for the rest")
+
+
+def count_lines(stream) -> int:
+    """Non-blank lines, as json_lines yields them (a cut-short compressed stream: one more, the cut)."""
+    n = 0
+    try:
+        for raw in stream:
+            n += bool(raw.strip())
+    except (OSError, EOFError):
+        n += 1
+    return n
 
 
 def parse_line(raw: bytes) -> dict:

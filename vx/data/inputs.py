@@ -27,6 +27,7 @@ from vx.data.formats import (
     PARQUET,
     SUFFIXES,
     BodyReader,
+    count_lines,
     decompressed,
     json_lines,
     looks_like,
@@ -194,7 +195,7 @@ class Input:
                 return sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
             if kind == ARROW_STREAM:
                 return sum(b.num_rows for b in pa.ipc.open_stream(raw))
-            return sum(1 for line in decompressed(raw, kind) if line.strip())
+            return count_lines(decompressed(raw, kind))
 
     def fingerprint(self) -> str:
         """The input's content (local: its bytes; S3: keys, sizes and ETags), for the plan cache key."""
