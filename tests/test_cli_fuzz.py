@@ -1,7 +1,9 @@
 """Every mistake on the command line gets help or one line on stderr and exit code 2, never a
 traceback: what a new user types first (issue: typer vendoring click printed tracebacks).
-Runs the real parser in-process (vx.cli.main), on the typer this install resolved (pyproject
-allows typer >= 0.12; CI resolves the newest)."""
+Runs the real parser in-process (vx.cli.main), on the typer this install resolved (CI resolves
+the newest). pyproject allows typer 0.16 to 0.29: these cases passed on 0.16.1, 0.17.5, 0.18.0,
+0.19.0, 0.19.2, 0.22.0, 0.24.2, 0.26.8 and 0.29.2 (click 8.5); 0.15.4 and 0.12.5 fail at import
+beside click 8.5 ("Secondary flag is not valid for non-boolean flag")."""
 
 import pytest
 
