@@ -102,15 +102,20 @@ def coverage(modes: list[str]) -> list[tuple]:
     return items + [("signal", tg, sig) for tg in targets for sig in SIGNALS]
 
 
+def _cheapest(ok: list[dict]) -> list[dict]:
+    """One engine where the item allows it: a --dp 2 run starts three processes."""
+    return [c for c in ok if c["dp"] == 1] or ok
+
+
 def forced(rng: random.Random, index: int, seed: int, modes: list[str], item: tuple) -> dict:
     if item[0] == "signal":
         ok = [c for c in configs(modes) if item[1] != "engine" or c["mode"] != "extract-hf"]
         ok = [c for c in ok if item[1] != "worker" or c["dp"] == 2]
-        t = dict(rng.choice(ok), index=index, seed=seed)
+        t = dict(rng.choice(_cheapest(ok)), index=index, seed=seed)
         t["fault"] = {"kind": "signal", "target": item[1], "sig": item[2], "at": rng.uniform(0.1, 0.7)}
         return t
     name = "mid-manifest" if item[1] == "repair-manifest" else item[1]
-    t = dict(rng.choice([c for c in configs(modes) if name in points_for(c)]), index=index, seed=seed)
+    t = dict(rng.choice(_cheapest([c for c in configs(modes) if name in points_for(c)])), index=index, seed=seed)
     many = name in ("mid-upload", "after-batch", "after-step", "engine-step", "mid-shard-write")
     t["fault"] = {"kind": "point", "name": name, "nth": rng.randint(1, 3) if many else 1, "action": rng.choice(ACTIONS)}
     if item[1] == "repair-manifest":
@@ -476,9 +481,9 @@ def start_s3():
     return server, url, client
 
 
-def run_campaign(trials: int, seed: int, work: Path, modes: list[str], jobs: int = 1, only: int | None = None,
+def run_campaign(trials: int, seed: int, work: Path, modes: list[str], jobs: int = 1, only: list[int] | None = None,
                  extra: list[dict] = (), log=print) -> dict:
-    """`trials` drawn trials of campaign `seed` (or trial `only` alone), then the `extra` trials as
+    """`trials` drawn trials of campaign `seed` (or the trials `only` alone), then the `extra` trials as
     given (regressions: trials that once found a violation, as they were drawn)."""
     from vx.data.tiny import default_model_dir
 
@@ -490,7 +495,7 @@ def run_campaign(trials: int, seed: int, work: Path, modes: list[str], jobs: int
         if not (camp.cache / model.name).exists():
             (camp.cache / model.name).symlink_to(model, target_is_directory=True)
         camp.prepare(modes + [t["mode"] for t in extra])
-        todo = [draw(seed, i, modes) for i in ([only] if only is not None else range(trials))] + list(extra)
+        todo = [draw(seed, i, modes) for i in (only if only is not None else range(trials))] + list(extra)
         t0 = time.monotonic()
 
         def one(t):
@@ -521,13 +526,14 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=int(time.time()) % 100000)
     ap.add_argument("--jobs", type=int, default=1, help="trials at a time")
     ap.add_argument("--modes", default=",".join(MODES))
-    ap.add_argument("--only", type=int, help="run this trial of the campaign alone")
+    ap.add_argument("--only", help="run these trials of the campaign alone (comma-separated numbers)")
     ap.add_argument("--work", help="keep the trials' files here (default: a temporary directory)")
     ap.add_argument("--results", help="results directory or .json file (default: bench/results/)")
     a = ap.parse_args()
     print(f"fault campaign: seed {a.seed}, {a.trials} trials, modes {a.modes}", file=sys.stderr, flush=True)
     work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="vx-campaign-"))
-    t = run_campaign(a.trials, a.seed, work, a.modes.split(","), a.jobs, a.only,
+    only = [int(x) for x in a.only.split(",")] if a.only else None
+    t = run_campaign(a.trials, a.seed, work, a.modes.split(","), a.jobs, only,
                      log=lambda m: print(m, file=sys.stderr, flush=True))
     from common import write_result
 

@@ -17,6 +17,7 @@ import hashlib
 import heapq
 import json
 import os
+import socket
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
@@ -132,6 +133,16 @@ def tokens_file(plan_file: Path) -> Path:
     return Path(plan_file).with_suffix(".tokens.npy")
 
 
+def _drop_dead_makers(plan_dir: Path) -> None:
+    """Remove temp files of plan makers on this host that died before their rename (a kill -9):
+    their pid is in the name; another live maker's, or another host's, are left alone."""
+    host = socket.gethostname()
+    for tmp in plan_dir.glob(f"*.{host}.*.tmp"):
+        pid = tmp.name[:-len(".tmp")].rpartition(".")[2]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            tmp.unlink(missing_ok=True)
+
+
 def load_or_make_plan(root: Path, source: Input, model_dir: Path, fingerprint: str, count: int,
                       reading: Reading) -> Path:
     """The plan file for this input/tokenizer/reading/P under root/.vx-plan, made if missing,
@@ -142,12 +153,17 @@ def load_or_make_plan(root: Path, source: Input, model_dir: Path, fingerprint: s
     weights = line_weights(source, model_dir, reading)
     plan = make_plan(source, model_dir, count, reading, weights=weights)
     path.parent.mkdir(parents=True, exist_ok=True)
+    _drop_dead_makers(path.parent)
     for target, array in ((tokens_file(path), weights), (path, plan)):  # the plan last: it marks both done
-        tmp = target.with_suffix(f".{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:  # concurrent makers write identical bytes; rename is atomic
-            np.save(f, array)
-        faults.point("before-plan-publish")
-        os.replace(tmp, target)
+        tmp = target.with_suffix(f".{socket.gethostname()}.{os.getpid()}.tmp")
+        try:
+            with open(tmp, "wb") as f:  # concurrent makers write identical bytes; rename is atomic
+                np.save(f, array)
+            faults.point("before-plan-publish")
+            os.replace(tmp, target)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
     return path
 
 
