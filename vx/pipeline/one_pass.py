@@ -185,6 +185,9 @@ def run_one_pass(cfg, progress: bool | None = None):
     if cfg.partitioned or cfg.ray or cfg.data_parallel_size > 1:
         raise UsageError("--regenerate runs on one node with one engine of each kind for now: drop "
                          "--data-parallel-size/--ray/--num-partitions/--partition-index")
+    if cfg.upload:  # the regenerated text would stay in local staging, apart from the states in S3
+        raise UsageError("--regenerate writes a local output for now: give a local -o (and copy it to S3 "
+                         "after), or run vx regenerate, then vx extract -o s3://...")
     out = Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(exist_ok=True)
