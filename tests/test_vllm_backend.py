@@ -23,9 +23,10 @@ MAX_BATCHED, MAX_SEQS = 256, 8  # small, so long samples are chunked and request
 
 def mixed_samples(vocab, n=44, seed=0):
     rng = random.Random(seed)
-    lengths = [1, 2, 255, 256, 257, 1500] + [rng.randint(1, 900) for _ in range(n - 6)]
+    # one-token requests side by side: vLLM's CPU GDN layers take them as a batch of decodes
+    lengths = [1, 1, 1, 2, 255, 256, 257, 1500] + [rng.randint(1, 900) for _ in range(n - 8)]
     samples = [[rng.randrange(vocab) for _ in range(t)] for t in lengths]
-    samples.append(list(samples[5]))  # two identical samples
+    samples.append(list(samples[7]))  # two identical samples
     prefix = [rng.randrange(vocab) for _ in range(600)]
     samples += [prefix + [rng.randrange(vocab) for _ in range(rng.randint(1, 200))] for _ in range(4)]
     return [Sample(f"s{i:03d}", i + 1, ids, [i % 2] * len(ids)) for i, ids in enumerate(samples)]

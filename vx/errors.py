@@ -51,12 +51,19 @@ class Terminated(KeyboardInterrupt):
 
 
 _terminated = False
+_sigint = False  # Ctrl-C arrived: what fails after it is its consequence, not a bug to show
 
 
 def _on_sigterm(signum, frame):
     global _terminated
     _terminated = True
     raise Terminated()
+
+
+def _on_sigint(signum, frame):
+    global _sigint
+    _sigint = True
+    raise KeyboardInterrupt
 
 
 def _interrupted() -> int:
@@ -69,6 +76,7 @@ def run_guarded(body) -> int:
     """Run body() (the CLI, or a partition worker) and map what it raises to an exit code."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
+        signal.signal(signal.SIGINT, _on_sigint)
     try:
         rc = body()
         if rc == 130:  # typer (standalone_mode=False) returns Ctrl-C as exit code 130
@@ -84,19 +92,23 @@ def run_guarded(body) -> int:
     except KeyboardInterrupt:
         return _interrupted()
     except VxError as e:
-        if _terminated:  # SIGTERM to the process group: the engine died of it, the stop is the news
+        if _terminated or _sigint:  # a signal to the process group: the engine died of it, the stop is the news
             return _interrupted()
         if os.environ.get("VX_DEBUG"):
             raise
         print(f"vx: error: {e}", file=sys.stderr)
         return e.exit_code
     except OSError as e:  # a disk or the network failed where no layer named it: one line, the remedy
-        if _terminated:
+        if _terminated or _sigint:
             return _interrupted()
         if os.environ.get("VX_DEBUG"):
             raise
         print(f"vx: error: {os_error_line(e)}", file=sys.stderr)
         return 1
+    except Exception:
+        if _terminated or _sigint:  # what the stop broke on its way out (a library's import, half done)
+            return _interrupted()
+        raise
 
 
 def os_error_line(e: OSError) -> str:
