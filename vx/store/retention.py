@@ -25,7 +25,7 @@ from pathlib import Path
 from vx import faults
 from vx.store.format import DROPPED, READERS
 from vx.store.stream import Stream
-from vx.store.uploader import local_shard_bytes
+from vx.store.uploader import RETAIN_FAILED, local_shard_bytes
 
 
 def reader_records(stream: Stream) -> list[dict]:
@@ -79,6 +79,7 @@ class Retainer:
         prefix = f"{self.part}/" if self.part else ""
         self.dropped = sorted(n[len(prefix):] for n in self.stream.dropped() if n.startswith(prefix)
                               and "/" not in n[len(prefix):])
+        (self.local_dir / RETAIN_FAILED).unlink(missing_ok=True)
         self._finish_drops(prefix)
         self._thread.start()
         return self
@@ -115,8 +116,9 @@ class Retainer:
                     said = time.monotonic()
                     print(f"vx: --retain-gb: {held / 1e9:.2f} GB of unconsumed shards fill this writer's "
                           f"{self.budget / 1e9:.2f} GB; extraction waits for readers ({who})", file=sys.stderr)
-        except BaseException as e:  # surfaced by stop()
+        except BaseException as e:  # surfaced by stop(); a writer waiting for room stops on the marker
             self.error = e
+            (self.local_dir / RETAIN_FAILED).write_text(f"{type(e).__name__}: {e}\n")
 
 
     def _drop(self, records: list[dict]) -> None:

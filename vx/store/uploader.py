@@ -32,6 +32,7 @@ MANIFEST_FLUSH_S = 5.0
 
 
 UPLOAD_FAILED = ".vx-upload-failed"  # written by the uploader; a waiting writer stops on it
+RETAIN_FAILED = ".vx-retain-failed"  # written by the --retain-gb retainer (vx/store/retention.py): the same
 
 
 def local_shard_bytes(out: Path) -> int:
@@ -52,6 +53,9 @@ def wait_for_room(out: Path, budget: int, nbytes: int, poll: float = 0.1) -> int
             return used
         if (out / UPLOAD_FAILED).exists():
             raise VxError(f"upload failed: {(out / UPLOAD_FAILED).read_text().strip()}")
+        if (out / RETAIN_FAILED).exists():  # nothing will free room: stop instead of waiting for ever
+            raise VxError(f"--retain-gb could not delete consumed shards: {(out / RETAIN_FAILED).read_text().strip()}; "
+                          "committed samples are kept, rerun the same command to continue")
         time.sleep(poll)
 
 
