@@ -78,7 +78,7 @@ def committed_ids(out) -> list[str]:
     return [s for line in (out / "manifest.jsonl").read_text().splitlines() for s in json.loads(line)["sample_ids"]]
 
 
-@settings(max_examples=int(os.environ.get("VX_FUZZ_EXAMPLES", "6")), deadline=None, derandomize=True,
+@settings(max_examples=int(os.environ.get("VX_FUZZ_EXAMPLES", "4")), deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(case=datasets())
 def test_good_records_once_bad_ones_reported_by_line_strict_stops_first(tmp_path_factory, tiny_model, case):
