@@ -132,3 +132,38 @@ def test_a_killed_driver_or_engine_and_sigterm_to_the_group_then_a_rerun_give_ev
     ids = [json.loads(x)["id"] for x in open(result).read().splitlines()]  # every line parses: the torn one is gone
     assert sorted(ids) == sorted(r["id"] for r in rows), "lost or duplicated conversations"
     assert s["conversations"] + s["skipped"] == len(rows)
+
+
+def test_a_failed_fsync_of_a_chunk_never_writes_that_chunk_twice(tmp_path, monkeypatch):
+    """The fault campaign's trial 156 of seed 41 (`vx regenerate`, ENOSPC before the committed
+    mark): the failed chunk was written again when the output closed, so a rerun found four
+    conversations twice. Here the disk fails the chunk's fsync once; the run stops, closes, and
+    a second writer continues: every conversation once."""
+    import errno
+
+    from vx.regenerate.output import RegenOutput, committed_ids
+
+    path = tmp_path / "r.jsonl"
+    out = RegenOutput(path)
+    real_fsync, failed = os.fsync, []
+
+    def full_disk_once(fd):
+        if not failed:
+            failed.append(fd)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", full_disk_once)
+    for i in range(3):
+        out.add({"id": f"c{i}", "messages": []}, every=10)
+    with pytest.raises(OSError):
+        out.commit()
+    out.close()  # what the run's cleanup does after the error
+    again = RegenOutput(path)
+    for i in range(3, 6):
+        if f"c{i}" not in again.done:
+            again.add({"id": f"c{i}", "messages": []}, every=10)
+    again.close()
+    ids = [json.loads(x)["id"] for x in path.read_text().splitlines()]
+    assert sorted(ids) == sorted(set(ids)) and set(ids) == committed_ids(path)
+    assert {f"c{i}" for i in range(3, 6)} <= set(ids)

@@ -81,14 +81,17 @@ class RegenOutput:
 
     def commit(self) -> None:
         if self._pending:
-            self._f.write(b"".join(self._pending))
+            # taken out before the write: a failure below must not leave them to close(), which
+            # would write them a second time (found by the fault campaign: ENOSPC before the mark)
+            chunk, n = b"".join(self._pending), len(self._pending)
+            self._pending.clear()
+            self._f.write(chunk)
             self._f.flush()
             faults.point("before-chunk-fsync")
             os.fsync(self._f.fileno())
             faults.point("before-committed-mark")
             self._mark()
-            self.written += len(self._pending)
-            self._pending.clear()
+            self.written += n
             faults.point("after-chunk")
         self._last = time.monotonic()
 
