@@ -164,6 +164,8 @@ class VllmExtractor:
                 except EngineDied:
                     if not stopped:
                         raise  # else the interruption goes on up
+        if stats.get("error"):  # found by the fault campaign: an I/O error at the last commit
+            raise VxError(stats["error"])
         for sample_id, reason in stats.get("rejected", []):
             if on_reject:
                 on_reject(Sample(sample_id, lines.get(sample_id, 0), [], []), reason)

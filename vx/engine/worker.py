@@ -56,7 +56,11 @@ class VxWorkerExtension:
         sink, conn.sink = conn.sink, None
         if sink is None:
             return {}
-        sink.close()
+        try:
+            sink.close()
+        except Exception as e:  # the writer failed (a full disk): the driver says it in one line; raised
+            # here, vLLM would hand the driver a generic Exception wrapping it (a traceback)
+            return {"error": str(e)}
         w = sink.writer
         return {"samples": sink.received, "tokens": sink.tokens, "shards": w.committed_shards,
                 "bytes": w.committed_bytes, "rejected": w.rejected, "peak_local_bytes": w.peak_local_bytes,
