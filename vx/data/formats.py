@@ -9,7 +9,6 @@ import json
 from typing import Iterator
 
 
-
 class BadRecord(Exception):
     """A row that is not a usable record; the message is the reason written to errors.jsonl."""
 
@@ -92,8 +91,10 @@ class _Inflate(io.RawIOBase):
     line). gzip.GzipFile would lose up to a buffer's worth before raising."""
 
     def __init__(self, raw, kind: str):
-        self.raw, self.kind, self.pending = raw, kind, b""
+        self.raw, self.kind = raw, kind
         self.d = self._member()
+        self.out, self.at = memoryview(b""), 0  # decompressed bytes not yet handed out, from `at`
+        self.in_member = False  # bytes of a member/frame read and its end not reached yet
 
     def _member(self):
         if self.kind == GZIP:
@@ -108,23 +109,24 @@ class _Inflate(io.RawIOBase):
         return True
 
     def readinto(self, b) -> int:
-        while not self.pending:
+        while self.at == len(self.out):
             data = self.d.unused_data or self.raw.read(1 << 16)
             if self.d.unused_data:  # the next gzip member or zstd frame
                 self.d = self._member()
             if not data:
-                if self.d.eof or not getattr(self, "_started", False):
-                    return 0
-                raise EOFError("compressed file ended before the end-of-stream marker was reached")
-            self._started = True
+                if self.in_member:
+                    raise EOFError("compressed file ended before the end-of-stream marker was reached")
+                return 0
+            self.in_member = True
             try:
-                self.pending = self.d.decompress(data)
+                self.out, self.at = memoryview(self.d.decompress(data)), 0
             except Exception as e:  # zlib.error / zstandard.ZstdError: corrupt bytes
                 raise OSError(f"corrupt {self.kind} data: {e}") from None
             if self.d.eof and not self.d.unused_data:
-                self._started = False
-        n = min(len(b), len(self.pending))
-        b[:n], self.pending = self.pending[:n], self.pending[n:]
+                self.in_member = False
+        n = min(len(b), len(self.out) - self.at)
+        b[:n] = self.out[self.at:self.at + n]
+        self.at += n
         return n
 
 
