@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -44,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import fault_checks as checks  # noqa: E402
+import procfs  # noqa: E402
 
 from vx import faults  # noqa: E402
 
@@ -361,10 +363,10 @@ class Campaign:
             os.killpg(p.pid, signal.SIGKILL)
             rc = p.wait()
         ended = time.monotonic()
-        left = checks.processes_of(p.pid)
+        left = procfs.processes_of(p.pid)
         while left and time.monotonic() - ended < ORPHAN_S:
             time.sleep(0.2)
-            left = checks.processes_of(p.pid)
+            left = procfs.processes_of(p.pid)
         for pid in left:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -394,11 +396,11 @@ class Campaign:
             return p.pid
         deadline = time.monotonic() + 60  # the engine or worker may still be starting
         while p.poll() is None and time.monotonic() < deadline:
-            kids = checks.processes_of(p.pid)
+            kids = procfs.processes_of(p.pid)
             if target == "engine":
-                found = [k for k in kids if _cmdline(k).startswith(b"VLLM::EngineCore")]
+                found = [k for k in kids if procfs.cmdline(k).startswith(b"VLLM::EngineCore")]
             else:
-                found = [k for k in kids if _parent(k) == p.pid and b"VX_PARTITION=" in _environ(k)]
+                found = [k for k in kids if procfs.parent(k) == p.pid and b"VX_PARTITION=" in procfs.environ(k)]
             if found:
                 return random.Random(p.pid).choice(found)
             time.sleep(0.1)
@@ -419,27 +421,6 @@ with open(seen, "w") as f:
         if i % 2:
             ld.commit(ld.state_dict())
 """
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
-
-
-def _environ(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return b""
-
-
-def _parent(pid: int) -> int:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except OSError:
-        return -1
 
 
 def tally(results: list[dict], seed: int, seconds: float) -> dict:
@@ -465,10 +446,7 @@ def tally(results: list[dict], seed: int, seconds: float) -> dict:
 
 
 def _count(items) -> dict:
-    out: dict = {}
-    for x in items:
-        out[x] = out.get(x, 0) + 1
-    return dict(sorted(out.items()))
+    return dict(sorted(Counter(items).items()))
 
 
 def start_s3():

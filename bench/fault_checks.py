@@ -179,23 +179,6 @@ def staging_empty(staging: Path) -> list[str]:
     return [f"staging still holds shards: {left[:5]}"] if left else []
 
 
-def processes_of(driver_pid: int) -> list[int]:
-    """Live processes a driver started: they carry VX_DRIVER=<pid>:... in their environment."""
-    mark = f"VX_DRIVER={driver_pid}:".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            env = Path(f"/proc/{entry}/environ").read_bytes()
-            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state not in ("Z", "X") and any(item.startswith(mark) for item in env.split(b"\0")):
-            found.append(int(entry))
-    return found
-
-
 def jsonl_once(path: Path, want_ids: list[str]) -> list[str]:
     """A JSONL output (vx regenerate's): whole lines only, every id once."""
     if not path.exists():

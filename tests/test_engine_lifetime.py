@@ -25,6 +25,9 @@ from pathlib import Path
 import vx
 from conftest import ROOT, machine_cache
 
+sys.path.insert(0, str(ROOT / "bench"))
+import procfs  # noqa: E402
+
 CHAT = str(ROOT / "examples" / "chat.jsonl")
 ALL_IDS = sorted(json.loads(line).get("id") for line in open(CHAT))
 BOUND_S = 10.0  # a driver outlives its dead engine by less than this
@@ -48,33 +51,16 @@ def launch(cmd: list[str], cache: Path, fault: str | None = None) -> subprocess.
                             start_new_session=True)
 
 
-def processes_of(driver_pid: int) -> list[int]:
-    """Live processes started by this driver: they carry VX_DRIVER=<pid>:... in their environment."""
-    mark = f"VX_DRIVER={driver_pid}:".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            env = Path(f"/proc/{entry}/environ").read_bytes()
-            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z" and any(item.startswith(mark) for item in env.split(b"\0")):
-            found.append(int(entry))
-    return found
-
-
 def wait_gone(driver_pid: int, within_s: float = 10.0) -> float:
     t0 = time.monotonic()
-    while processes_of(driver_pid):
-        assert time.monotonic() - t0 < within_s, f"left running: {processes_of(driver_pid)}"
+    while procfs.processes_of(driver_pid):
+        assert time.monotonic() - t0 < within_s, f"left running: {procfs.processes_of(driver_pid)}"
         time.sleep(0.1)
     return time.monotonic() - t0
 
 
 def engine_cores(driver: int) -> list[int]:
-    return [pid for pid in processes_of(driver) if _title(pid).startswith(b"VLLM::EngineCore")]
+    return [pid for pid in procfs.processes_of(driver) if procfs.cmdline(pid).startswith(b"VLLM::EngineCore")]
 
 
 def follow(p: subprocess.Popen, until=lambda: False, act=None) -> tuple[float, float | None, str]:
@@ -103,47 +89,21 @@ def assert_one_line(stderr: str, pattern=DIED) -> None:
     assert pattern.match(stderr.strip().splitlines()[-1]), stderr[-3000:]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
-
-
 def kill9_and_wait(pid: int, writer_in_worker: bool = True) -> dict:
     """SIGKILL of an engine core, then the moment it and its vLLM workers (separate processes on
     CPU; the capture writer runs in one) are really gone (a syscall in flight, an fsync, ends
     first): (when in time_ns, when in monotonic). Where vx's writer runs in a worker, the workers
     must die with their core (wait_gone bounds every other process of the run)."""
-    workers = [w for w in _children(pid) if _title(w).startswith(b"VLLM::Worker")] if writer_in_worker else []
+    workers = [w for w in procfs.children(pid) if procfs.cmdline(w).startswith(b"VLLM::Worker")]
+    workers = workers if writer_in_worker else []
     os.kill(pid, signal.SIGKILL)
-    while _alive(pid):
+    while procfs.alive(pid):
         time.sleep(0.002)
     t_core = time.monotonic()
-    while any(_alive(w) for w in workers):
+    while any(procfs.alive(w) for w in workers):
         assert time.monotonic() - t_core < 5.0, f"vLLM workers {workers} outlived their engine core"
         time.sleep(0.002)
     return {"pid": pid, "ns": time.time_ns(), "t": time.monotonic()}
-
-
-def _title(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.append(int(entry))
-    return found
 
 
 def committed(manifest: Path) -> int:
@@ -170,7 +130,7 @@ def test_a_run_killed_or_stopped_every_way_leaves_no_process_and_one_rerun_gives
     p = start(out, cache, fault="after-step:40")
     seen_alive = []
     while p.poll() is None:
-        seen_alive = processes_of(p.pid) or seen_alive
+        seen_alive = procfs.processes_of(p.pid) or seen_alive
         time.sleep(0.2)
     dead_ns = time.time_ns()
     assert p.returncode == -9, p.stderr.read()[-3000:]
@@ -186,7 +146,7 @@ def test_a_run_killed_or_stopped_every_way_leaves_no_process_and_one_rerun_gives
     while not (manifest.exists() and sum(1 for _ in open(manifest)) > committed):
         assert p.poll() is None, p.stderr.read()[-3000:]
         time.sleep(0.1)
-    engine = processes_of(p.pid)
+    engine = procfs.processes_of(p.pid)
     p.send_signal(signal.SIGTERM)
     stdout, stderr = p.communicate(timeout=120)
     assert p.returncode == 143, stderr[-3000:]

@@ -56,7 +56,9 @@ def test_store_dtypes_and_zstd_round_trip_through_the_cli(backend, tmp_path, tin
     data = write_jsonl(tmp_path / "d.jsonl", ROWS)
     stored = {"fp16": "torch.float16", "fp32": "torch.float32", "fp8": "torch.float8_e4m3fn"}
     cases = [("fp16", None, 0.9998), ("fp32", None, 0.9998), ("fp8", "zstd", 0.99)]
-    # three independent runs, started at once (an engine's start is mostly its processes' imports),
+    if backend == "vllm":  # the worker's writer casts as the driver's does (fp32 runs on hf): two engines, not three
+        cases = [c for c in cases if c[0] != "fp32"]
+    # independent runs, started at once (an engine's start is mostly its processes' imports),
     # each vLLM engine with a small share of host memory
     runs = [subprocess.Popen(
         [sys.executable, "-m", "vx", "extract", str(data), "-o", str(tmp_path / f"{backend}-{dtype}"), "--backend",

@@ -91,20 +91,14 @@ def run_guarded(body) -> int:
         return _interrupted()
     except KeyboardInterrupt:
         return _interrupted()
-    except VxError as e:
+    except (VxError, OSError) as e:  # OSError: a disk or the network failed where no layer named it
         if _terminated or _sigint:  # a signal to the process group: the engine died of it, the stop is the news
             return _interrupted()
         if os.environ.get("VX_DEBUG"):
             raise
-        print(f"vx: error: {e}", file=sys.stderr)
-        return e.exit_code
-    except OSError as e:  # a disk or the network failed where no layer named it: one line, the remedy
-        if _terminated or _sigint:
-            return _interrupted()
-        if os.environ.get("VX_DEBUG"):
-            raise
-        print(f"vx: error: {os_error_line(e)}", file=sys.stderr)
-        return 1
+        vx_error = isinstance(e, VxError)
+        print(f"vx: error: {e if vx_error else os_error_line(e)}", file=sys.stderr)
+        return e.exit_code if vx_error else 1
     except Exception:
         if _terminated or _sigint:  # what the stop broke on its way out (a library's import, half done)
             return _interrupted()

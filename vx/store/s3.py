@@ -5,6 +5,7 @@ vx/store/uploader.py."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from vx.errors import UsageError
@@ -58,7 +59,11 @@ def fetch_remote_state(target: S3Target, endpoint_url: str | None, out: Path) ->
         except ClientError:
             continue
         out.mkdir(parents=True, exist_ok=True)
-        (out / name).write_bytes(body)
+        # atomic: the partition workers of one machine share this directory and may fetch it at
+        # once; a plain write let one read the other's half-written vx.json (found by the suite)
+        tmp = out / f".{name}.{os.getpid()}.tmp"
+        tmp.write_bytes(body)
+        os.replace(tmp, out / name)
         got = True
     return got
 

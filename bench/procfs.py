@@ -1,0 +1,54 @@
+"""What /proc says about a process, for the checks that processes end with their driver (the
+fault campaign, tests/test_engine_lifetime.py). Every reader returns a neutral value for a
+process that is gone: they race with exits by design."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _read(pid: int, name: str) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/{name}").read_bytes()
+    except OSError:
+        return b""
+
+
+def cmdline(pid: int) -> bytes:
+    """The command line (vLLM renames its processes: b"VLLM::EngineCore", b"VLLM::Worker...")."""
+    return _read(pid, "cmdline")
+
+
+def environ(pid: int) -> bytes:
+    return _read(pid, "environ")
+
+
+def _stat(pid: int) -> list[str]:
+    raw = _read(pid, "stat").decode(errors="replace")
+    return raw.rsplit(")", 1)[1].split() if ")" in raw else []
+
+
+def parent(pid: int) -> int:
+    fields = _stat(pid)
+    return int(fields[1]) if fields else -1
+
+
+def alive(pid: int) -> bool:
+    """Running: not gone, not a zombie waiting for its parent."""
+    fields = _stat(pid)
+    return bool(fields) and fields[0] not in ("Z", "X")
+
+
+def pids() -> list[int]:
+    return [int(e) for e in os.listdir("/proc") if e.isdigit()]
+
+
+def children(pid: int) -> list[int]:
+    return [p for p in pids() if parent(p) == pid]
+
+
+def processes_of(driver_pid: int) -> list[int]:
+    """Live processes a driver started: they carry VX_DRIVER=<pid>:... in their environment."""
+    mark = f"VX_DRIVER={driver_pid}:".encode()
+    return [p for p in pids() if any(item.startswith(mark) for item in environ(p).split(b"\0")) and alive(p)]
