@@ -48,6 +48,10 @@ REGRESSIONS = [
 ]
 
 
+# reached only where the run before left work of that kind: not a second fault's place
+LATE = {"after-delete"}
+
+
 def paired(trials: list[dict]) -> list[dict]:
     """Two failpoints per trial where the first one's configuration passes the second: the second
     fires during the recovery run of the first (a crash while recovering from a crash), then the
@@ -55,8 +59,9 @@ def paired(trials: list[dict]) -> list[dict]:
     out, pending = [], [t for t in trials]
     while pending:
         a = pending.pop(0)
-        if "then" not in a:
-            b = next((b for b in pending if "then" not in b and b["fault"]["name"] in campaign.points_for(a)), None)
+        if "then" not in a and a["fault"]["action"] == "kill":  # a stall or an error may leave no work to fault
+            b = next((b for b in pending if "then" not in b and b["fault"]["name"] in campaign.points_for(a)
+                      and b["fault"]["name"] not in LATE), None)
             if b is not None:
                 pending.remove(b)
                 a = dict(a, then=b["fault"])

@@ -175,3 +175,26 @@ def test_each_shard_has_one_checksum_crc64nvme_as_s3_writes_it_and_older_sha256_
         (out / name).write_bytes(data)
     r = vx_cmd("verify", str(out), "--samples", "0")
     assert r.returncode == 1 and "2 bad" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_small_file_killed_before_its_rename_leaves_a_temp_the_next_writer_removes(tmp_path):
+    import subprocess
+    import sys
+
+    from vx.store.lock import drop_dead_temps, temp_for
+    from vx.store.progress_log import ProgressLog
+
+    # a writer killed between writing progress.json's temp and renaming it
+    code = ("import os, sys; from vx.store.lock import temp_for; from pathlib import Path; "
+            "temp_for(Path(sys.argv[1]) / 'progress.json').write_text('{}'); os._exit(9)")
+    assert subprocess.run([sys.executable, "-c", code, str(tmp_path)]).returncode == 9
+    mine = temp_for(tmp_path / "vx.json")
+    mine.write_text("{}")  # a live writer's, mid-write
+    (tmp_path / ".shard-00000.tmp").write_text("")  # the shard writer's own, not this scheme's
+    left = sorted(p.name for p in tmp_path.glob(".*.tmp"))
+    assert len(left) == 3
+    ProgressLog(tmp_path)({"samples": 1})
+    assert sorted(p.name for p in tmp_path.glob(".*.tmp")) == sorted([mine.name, ".shard-00000.tmp"])
+    assert json.loads((tmp_path / "progress.json").read_text()) == {"samples": 1}
+    drop_dead_temps(tmp_path)
+    assert mine.exists()

@@ -137,7 +137,9 @@ def read_manifest(out_dir: Path) -> list[dict]:
 
 
 def write_manifest(path: Path, records: list[dict]) -> None:
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    from vx.store.lock import temp_for
+
+    tmp = temp_for(path)
     with open(tmp, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
         f.flush()

@@ -39,3 +39,20 @@ def live_writer(out_dir: Path) -> str | None:
     if f is not None:
         f.close()
     return holder
+
+
+def temp_for(target: Path) -> Path:
+    """Where to write `target` before its atomic rename: a name of this host and process, so that
+    drop_dead_temps can tell a dead writer's leftover from a live one's."""
+    target = Path(target)
+    return target.with_name(f".{target.name}.{socket.gethostname()}.{os.getpid()}.tmp")
+
+
+def drop_dead_temps(directory: Path) -> None:
+    """Remove temp_for files of processes of this host that died before their rename (a kill -9
+    there would leave them for good); other hosts' and live processes' are left alone."""
+    host = socket.gethostname()
+    for tmp in Path(directory).glob(f".*.{host}.*.tmp"):
+        pid = tmp.name[:-len(".tmp")].rpartition(".")[2]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            tmp.unlink(missing_ok=True)

@@ -33,7 +33,7 @@ from vx.store.format import (
     repair_manifest,
     write_manifest,
 )
-from vx.store.lock import live_writer, try_lock
+from vx.store.lock import drop_dead_temps, live_writer, temp_for, try_lock
 
 # Keys of vx.json that must match for a rerun to continue the same output.
 IDENTITY_KEYS = ("model_fingerprint", "layer_ids", "store_dtype", "hidden_size")
@@ -198,7 +198,7 @@ class Output:
     def put_small(self, name: str, record: dict) -> None:
         """A small JSON file of this output, written atomically here and put to S3."""
         self.local.mkdir(parents=True, exist_ok=True)
-        tmp = self.local / f"{name}.{os.getpid()}.tmp"
+        tmp = temp_for(self.local / name)
         tmp.write_text(json.dumps(record) + "\n")
         os.replace(tmp, self.local / name)
         if self.target is not None:
@@ -228,7 +228,8 @@ def check_identity(out: Path, meta: dict) -> None:
 
 
 def write_meta(out: Path, meta: dict) -> None:
-    tmp = Path(out) / f"{RUN_META}.{os.getpid()}.tmp"
+    drop_dead_temps(out)
+    tmp = temp_for(Path(out) / RUN_META)
     tmp.write_text(json.dumps(meta, indent=2) + "\n")
     os.replace(tmp, Path(out) / RUN_META)
 

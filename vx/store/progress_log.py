@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from vx.store.format import END, HISTORY, PROGRESS
+from vx.store.lock import drop_dead_temps, temp_for
 
 EVERY = 5.0           # seconds between records
 HISTORY_EVERY = 60.0  # seconds between puts of the history to S3
@@ -30,6 +31,8 @@ class ProgressLog:
         self.every = float(os.environ.get("VX_PROGRESS_RECORD_EVERY", EVERY)) if every is None else every
         self._last = self._last_history = 0.0
         self._client = None
+        if self.local.is_dir():  # a writer killed between its write and rename (found by the fault campaign)
+            drop_dead_temps(self.local)
 
     def __call__(self, snap: dict, final: bool = False) -> None:
         now = time.monotonic()
@@ -38,7 +41,7 @@ class ProgressLog:
         self._last = now
         self.local.mkdir(parents=True, exist_ok=True)
         line = json.dumps(snap) + "\n"
-        tmp = self.local / f"{PROGRESS}.{os.getpid()}.tmp"
+        tmp = temp_for(self.local / PROGRESS)
         tmp.write_text(line)
         os.replace(tmp, self.local / PROGRESS)
         with open(self.local / HISTORY, "a") as f:

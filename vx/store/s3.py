@@ -11,6 +11,7 @@ from pathlib import Path
 from vx.errors import UsageError
 from vx.s3_client import S3Target, make_client
 from vx.store.format import DROPPED, END, ERRORS, MANIFEST, READERS, RUN_FILES, RUN_META
+from vx.store.lock import temp_for
 
 
 def preflight(target: S3Target, endpoint_url: str | None) -> None:
@@ -61,7 +62,7 @@ def fetch_remote_state(target: S3Target, endpoint_url: str | None, out: Path) ->
         out.mkdir(parents=True, exist_ok=True)
         # atomic: the partition workers of one machine share this directory and may fetch it at
         # once; a plain write let one read the other's half-written vx.json (found by the suite)
-        tmp = out / f".{name}.{os.getpid()}.tmp"
+        tmp = temp_for(out / name)
         tmp.write_bytes(body)
         os.replace(tmp, out / name)
         got = True

@@ -27,6 +27,7 @@ from torch.utils.data import get_worker_info
 
 from vx.errors import UsageError, VxError
 from vx.store.format import READERS, RETAIN
+from vx.store.lock import drop_dead_temps, temp_for
 from vx.store.stream import Stream
 from vx.train.epoch_plan import Batch, Catalog, plan_window
 
@@ -187,7 +188,8 @@ class Follow:
             return
         path = Path(ld.path) / name
         path.parent.mkdir(exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        drop_dead_temps(path.parent)  # a rank killed before its rename
+        tmp = temp_for(path)
         with open(tmp, "wb") as f:
             f.write(body)
             f.flush()
