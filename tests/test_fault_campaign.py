@@ -5,8 +5,11 @@ rename, manifest append and its repair, each S3 upload step and multipart part, 
 rerun; then the trials that once found a violation. After each: every sample exactly once, every
 committed shard's CRC64-NVME, every row against a clean run, S3 listing = manifests with no open
 multipart upload, no temp file, no orphan process, no traceback, follow readers saw every sample
-once. Outside signals, --dp 2 and the other modes (vLLM, vx regenerate, the one-pass mode) run in
-the bench: `python bench/fault_campaign.py --trials 200`."""
+once. Then SIGKILL, SIGTERM and SIGINT from outside, to the driver and to its whole process group
+(a scheduler's kill, `timeout`, Ctrl-C): it ends within 60 s with its documented exit code, and the
+rerun completes the output. --dp 2, signals to an engine or a partition worker, and the other
+modes (vLLM, vx regenerate, the one-pass mode) run in the bench: `python bench/fault_campaign.py
+--trials 200`."""
 
 from __future__ import annotations
 
@@ -69,19 +72,29 @@ def paired(trials: list[dict]) -> list[dict]:
     return out
 
 
+def inside(t: dict) -> dict:
+    """A signal trial whose moment (drawn in 0.1-0.7 of a clean run) lands before the run's end on a
+    machine faster than the one that timed the clean run: at most 0.4 of it."""
+    return dict(t, fault=dict(t["fault"], at=0.1 + (t["fault"]["at"] - 0.1) / 2))
+
+
 def test_a_fault_at_every_durable_step_then_a_rerun_loses_nothing(tmp_path, tiny_model):
-    """CI's share (time): every failpoint one hf engine passes, two to a trial, then the regression
-    trials that need one engine. Signals, --dp 2 and the vLLM modes run in the bench."""
+    """CI's share (time): every failpoint one hf engine passes, two to a trial, the outside signals
+    to the driver and its process group, then the regression trials that need one engine. --dp 2
+    and the vLLM modes run in the bench."""
     modes = ["extract-hf"]
     cover = campaign.coverage(modes)
     points = [i for i, item in enumerate(cover) if item[0] == "point" and item[1] != "before-plan-publish"]
-    trials = paired([campaign.draw(SEED, i, modes) for i in points])
+    signals = [i for i, item in enumerate(cover) if item[0] == "signal" and item[1] in ("driver", "group")]
+    trials = paired([campaign.draw(SEED, i, modes) for i in points]) + [inside(campaign.draw(SEED, i, modes))
+                                                                        for i in signals]
     regressions = [t for t in REGRESSIONS if t["dp"] == 1]
     lines = []
     t = campaign.run_campaign(0, SEED, tmp_path, modes, only=[], extra=trials + regressions, log=lines.append)
     print("\n".join(lines))
-    assert t["trials"] == len(trials) + len(regressions) >= 12
+    assert t["trials"] == len(trials) + len(regressions) >= 20
     assert not t["violations"], t["violations"]
     want = {cover[i][1] for i in points}
     assert want <= set(t["failpoints_fired"]) and want <= set(faults.POINTS), want - set(t["failpoints_fired"])
+    assert set(t["signals_sent"]) == {f"{s}->{tg}" for tg in ("driver", "group") for s in ("KILL", "TERM", "INT")}
     assert t["invariants_checked"] > 10 * t["trials"]

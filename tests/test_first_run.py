@@ -3,9 +3,13 @@
 without being force-killed. (-v, vLLM's log live: test_readme_promises' vLLM dtype runs.)"""
 
 import json
+import re
 
 import vx
 
+# not a terminal: a progress line every 30 s once samples flow (vx/monitor/progress.py), none in a
+# shorter run; a loaded machine's run can be longer
+PROGRESS_LINE = re.compile(r"extract: \d+/64  [\d.]+ samples/s  \d[\d,]* tok/s  MFU [\d.]+%  .*ETA [\d:]+$")
 
 
 def test_the_first_vllm_run_prints_only_its_results_and_keeps_the_log_in_the_output(chat_vllm_run):
@@ -14,7 +18,8 @@ def test_the_first_vllm_run_prints_only_its_results_and_keeps_the_log_in_the_out
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout)
     assert summary["samples"] == 64
-    assert r.stderr.strip() == "", r.stderr  # no tty: no progress bar either
+    noise = [line for line in r.stderr.splitlines() if line.strip() and not PROGRESS_LINE.match(line)]
+    assert noise == [], r.stderr  # no tty: no bar, no engine log, no warning; at most the periodic line
     # the engine's max_model_len is the longest sample + 1, not the model's 8,192
     ds = vx.open_dataset(out)
     assert summary["max_model_len"] == max(len(ds[i]["input_ids"]) for i in range(len(ds))) + 1 < 8192
