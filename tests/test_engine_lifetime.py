@@ -9,6 +9,7 @@ One output goes through every way a run ends early, then one rerun finishes it e
 - the engine core killed under a live driver, with SIGKILL (the OOM killer's choice: the largest
   process) in warm-up and mid-run: the driver is gone within 10 s of the engine's death with one
   line naming it and exit code 3, nothing committed after the death, no process left;
+- SIGTERM to the engine core alone, mid-run: one line, exit code 3, within seconds;
 - SIGTERM to the whole process group (`scancel`, `timeout`, `kill -- -PGID`): exit 143 within 10 s.
 A directory that a live process still writes into is refused at once, untouched.
 """
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import vx
 from conftest import ROOT, machine_cache
+from vx.engine.liveness import STOPPING_S
 
 sys.path.insert(0, str(ROOT / "bench"))
 import procfs  # noqa: E402
@@ -33,6 +35,10 @@ ALL_IDS = sorted(json.loads(line).get("id") for line in open(CHAT))
 BOUND_S = 10.0  # a driver outlives its dead engine by less than this
 DIED = re.compile(r"^vx: error: the vLLM engine \(pid (\d+)\) died: killed by SIGKILL \(out of memory\?\); "
                   r"committed (samples|conversations) are kept, rerun the same command to continue$")
+# the core's shutdown: its refusal, its exit, or its worker's exit, whichever the driver meets first
+STOPPED = re.compile(r"^vx: error: the vLLM engine(('s worker process)? \(pid \d+\) died(: .+)?| is shutting down "
+                     r"\(something other than vx stopped it\)); committed samples are kept, rerun the same command "
+                     r"to continue$")
 
 
 def start(out: Path, cache: Path, fault: str | None = None) -> subprocess.Popen:
@@ -157,7 +163,7 @@ def test_a_run_killed_or_stopped_every_way_leaves_no_process_and_one_rerun_gives
 
 
 def engine_deaths(out: Path, cache: Path) -> None:
-    """The engine core dies under a live driver, three ways, on the output of the runs above."""
+    """The engine core dies under a live driver, four ways, on the output of the runs above."""
     manifest = out / "manifest.jsonl"
     # SIGKILL of the engine core at its 2nd step: in warm-up, before any sample
     p = start(out, cache, fault="engine-step:2")
@@ -187,9 +193,26 @@ def engine_deaths(out: Path, cache: Path) -> None:
     done = committed(manifest)
     assert done < len(ALL_IDS)
 
-    # SIGTERM to the whole process group (driver, engine core), once a further shard is committed
+    # SIGTERM to the engine core alone (a container stop, an admin), once a further shard is
+    # committed: vLLM's core refuses every call as it shuts down, then exits (the fault campaign's
+    # trial 48 of seed 43 found that refusal printed as a traceback, exit 1)
     p = start(out, cache)
     sent = {}
+
+    def term_core(pid):
+        os.kill(pid, signal.SIGTERM)
+        sent["t"] = time.monotonic()
+
+    exited, _, stderr = follow(p, until=lambda: committed(manifest) > done, act=term_core)
+    assert p.returncode == 3, stderr[-3000:]
+    assert_one_line(stderr, STOPPED)
+    assert exited - sent["t"] < BOUND_S + STOPPING_S
+    wait_gone(p.pid)
+    done = committed(manifest)
+    assert done < len(ALL_IDS)
+
+    # SIGTERM to the whole process group (driver, engine core), once a further shard is committed
+    p = start(out, cache)
 
     def term_group(pid):
         os.killpg(p.pid, signal.SIGTERM)

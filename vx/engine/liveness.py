@@ -43,6 +43,11 @@ SCAN_S = 2.0            # how often the cores' worker processes are looked up
 GRACE_S = 6.0           # after a death, the driver's own exit path gets this long
 WORKER_TITLE = b"VLLM::Worker"
 KEPT = "committed samples are kept, rerun the same command to continue"  # the line's tail
+# vLLM's engine core refuses every call once a signal began its shutdown (SIGTERM or SIGINT to the
+# core alone: a container stop, an admin; 0.32 and 0.33 `EngineCore._reject_utility_in_shutdown`);
+# the process exits a moment later, and the watch names how, given this long
+SHUTTING_DOWN = "Server shutting down"
+STOPPING_S = 10.0
 
 
 def how_it_ended(code: int | None) -> str:
@@ -138,10 +143,14 @@ class EngineWatch:
         except EngineDied:
             raise
         except Exception as e:  # vLLM's own view of the death (EngineDeadError, a failed startup)
-            if self.confirm():
+            stopping = str(e) == SHUTTING_DOWN
+            if self.confirm(STOPPING_S if stopping else 1.0):
                 raise EngineDied(self.message) from e
             if type(e).__name__ == "EngineDeadError":
                 raise EngineDied(f"{self.label} died ({e}); {self.kept}") from e
+            if stopping:
+                raise EngineDied(f"{self.label} is shutting down (something other than vx stopped it); "
+                                 f"{self.kept}") from e
             raise
         finally:
             self._depth -= 1
