@@ -48,6 +48,13 @@ def temp_for(target: Path) -> Path:
     return target.with_name(f".{target.name}.{socket.gethostname()}.{os.getpid()}.tmp")
 
 
+def write_atomically(target: Path, data: str | bytes) -> None:
+    """target holds all of data or what it held before, never a part: a temp_for file, renamed."""
+    tmp = temp_for(target)
+    tmp.write_bytes(data.encode() if isinstance(data, str) else data)
+    os.replace(tmp, target)
+
+
 def drop_dead_temps(directory: Path) -> None:
     """Remove temp_for files of processes of this host that died before their rename (a kill -9
     there would leave them for good); other hosts' and live processes' are left alone."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import shutil
 import sys
 import threading
@@ -33,7 +32,7 @@ from vx.store.format import (
     repair_manifest,
     write_manifest,
 )
-from vx.store.lock import drop_dead_temps, live_writer, temp_for, try_lock
+from vx.store.lock import drop_dead_temps, live_writer, try_lock, write_atomically
 
 # Keys of vx.json that must match for a rerun to continue the same output.
 IDENTITY_KEYS = ("model_fingerprint", "layer_ids", "store_dtype", "hidden_size")
@@ -198,9 +197,7 @@ class Output:
     def put_small(self, name: str, record: dict) -> None:
         """A small JSON file of this output, written atomically here and put to S3."""
         self.local.mkdir(parents=True, exist_ok=True)
-        tmp = temp_for(self.local / name)
-        tmp.write_text(json.dumps(record) + "\n")
-        os.replace(tmp, self.local / name)
+        write_atomically(self.local / name, json.dumps(record) + "\n")
         if self.target is not None:
             from vx.store.s3 import put_file
 
@@ -229,9 +226,7 @@ def check_identity(out: Path, meta: dict) -> None:
 
 def write_meta(out: Path, meta: dict) -> None:
     drop_dead_temps(out)
-    tmp = temp_for(Path(out) / RUN_META)
-    tmp.write_text(json.dumps(meta, indent=2) + "\n")
-    os.replace(tmp, Path(out) / RUN_META)
+    write_atomically(Path(out) / RUN_META, json.dumps(meta, indent=2) + "\n")
 
 
 @contextlib.contextmanager

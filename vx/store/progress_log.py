@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from vx.store.format import END, HISTORY, PROGRESS
-from vx.store.lock import drop_dead_temps, temp_for
+from vx.store.lock import drop_dead_temps, write_atomically
 
 EVERY = 5.0           # seconds between records
 HISTORY_EVERY = 60.0  # seconds between puts of the history to S3
@@ -41,9 +41,7 @@ class ProgressLog:
         self._last = now
         self.local.mkdir(parents=True, exist_ok=True)
         line = json.dumps(snap) + "\n"
-        tmp = temp_for(self.local / PROGRESS)
-        tmp.write_text(line)
-        os.replace(tmp, self.local / PROGRESS)
+        write_atomically(self.local / PROGRESS, line)
         with open(self.local / HISTORY, "a") as f:
             f.write(line)
         if self.target is None:

@@ -5,13 +5,12 @@ vx/store/uploader.py."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from vx.errors import UsageError
 from vx.s3_client import S3Target, make_client
 from vx.store.format import DROPPED, END, ERRORS, MANIFEST, READERS, RUN_FILES, RUN_META
-from vx.store.lock import temp_for
+from vx.store.lock import write_atomically
 
 
 def preflight(target: S3Target, endpoint_url: str | None) -> None:
@@ -62,9 +61,7 @@ def fetch_remote_state(target: S3Target, endpoint_url: str | None, out: Path) ->
         out.mkdir(parents=True, exist_ok=True)
         # atomic: the partition workers of one machine share this directory and may fetch it at
         # once; a plain write let one read the other's half-written vx.json (found by the suite)
-        tmp = temp_for(out / name)
-        tmp.write_bytes(body)
-        os.replace(tmp, out / name)
+        write_atomically(out / name, body)
         got = True
     return got
 
