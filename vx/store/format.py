@@ -137,14 +137,9 @@ def read_manifest(out_dir: Path) -> list[dict]:
 
 
 def write_manifest(path: Path, records: list[dict]) -> None:
-    from vx.store.lock import temp_for
+    from vx.store.lock import write_atomically
 
-    tmp = temp_for(path)
-    with open(tmp, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in records)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomically(path, "".join(json.dumps(r) + "\n" for r in records), durable=True)
 
 
 def repair_manifest(path: Path) -> None:

@@ -48,10 +48,15 @@ def temp_for(target: Path) -> Path:
     return target.with_name(f".{target.name}.{socket.gethostname()}.{os.getpid()}.tmp")
 
 
-def write_atomically(target: Path, data: str | bytes) -> None:
-    """target holds all of data or what it held before, never a part: a temp_for file, renamed."""
+def write_atomically(target: Path, data: str | bytes, durable: bool = False) -> None:
+    """target holds all of data or what it held before, never a part: a temp_for file, renamed
+    (durable: fsynced before the rename, so a power loss cannot leave an empty file behind it)."""
     tmp = temp_for(target)
-    tmp.write_bytes(data.encode() if isinstance(data, str) else data)
+    with open(tmp, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, target)
 
 

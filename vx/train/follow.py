@@ -19,7 +19,6 @@ passed. `vx extract --retain-gb` deletes shards every rank has consumed.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from torch.utils.data import get_worker_info
 
 from vx.errors import UsageError, VxError
 from vx.store.format import READERS, RETAIN
-from vx.store.lock import drop_dead_temps, temp_for
+from vx.store.lock import drop_dead_temps, write_atomically
 from vx.store.stream import Stream
 from vx.train.epoch_plan import Batch, Catalog, plan_window
 
@@ -189,9 +188,4 @@ class Follow:
         path = Path(ld.path) / name
         path.parent.mkdir(exist_ok=True)
         drop_dead_temps(path.parent)  # a rank killed before its rename
-        tmp = temp_for(path)
-        with open(tmp, "wb") as f:
-            f.write(body)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_atomically(path, body, durable=True)
