@@ -2,8 +2,10 @@
 -o R.jsonl` followed by `vx extract R.jsonl -o OUT`, run as a user runs them (each command a
 fresh process, engine starts included), same prompts, model, engine settings and sampling.
 
-Contenders: one-pass with the engines on separate halves of the CPU's cores (vx's default),
-one-pass with both on every core (VX_ONE_PASS_SHARED_CORES=1), and the two commands.
+Contenders: one-pass as vx runs it (on CPU both engines on every core, the capture after the
+regeneration's end), one-pass with the cores halved between the engines and the capture following
+the regeneration (VX_ONE_PASS_CORES=split, --modes one-pass,one-pass-split-cores,two-pass), and
+the two commands.
 Reported per contender, medians over interleaved reps (order reversed every rep): end-to-end wall
 time, and the engines' busy time from the commands' own summaries (the regeneration's generate_s,
 the extraction's extract_s). Prompts: the first-turn ShareGPT prompts in ../shared/data/chat
@@ -51,8 +53,12 @@ def two_pass(data: Path, work: Path, gen: list[str], model: str) -> dict:
             "samples": ex["samples"], "tokens": ex["tokens"], "generated_tokens": regen["generated_tokens"]}
 
 
-def one_pass(data: Path, work: Path, gen: list[str], model: str, shared: bool = False) -> dict:
-    os.environ["VX_ONE_PASS_SHARED_CORES"] = "1" if shared else "0"
+CORES = {"one-pass": {}, "one-pass-split-cores": {"VX_ONE_PASS_CORES": "split"}}  # the engines' CPU layouts
+
+
+def one_pass(data: Path, work: Path, gen: list[str], model: str, name: str = "one-pass") -> dict:
+    os.environ.pop("VX_ONE_PASS_CORES", None)
+    os.environ.update(CORES[name])
     t = time.perf_counter()
     ex = vx("extract", str(data), "-o", str(work / "out"), "--model", model, "--backend", "vllm", "--regenerate", *gen)
     wall = time.perf_counter() - t
@@ -65,13 +71,17 @@ def main(argv=None):
     ap.add_argument("--prompts", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--modes", default="one-pass,two-pass",
+                    help=f"contenders, of {', '.join([*CORES, 'two-pass'])}")
     args = ap.parse_args(argv)
     if not PROMPTS.exists():
         raise SystemExit(f"bench needs {PROMPTS} (shared/ beside the checkout)")
     model = str(bench_model())
     rows = [json.loads(x) for x in PROMPTS.read_bytes().split(b"\n") if x.strip()][:args.prompts]
     gen = ["--max-tokens", str(args.max_tokens), "--turns", "last"]
-    runs: dict[str, list[dict]] = {"one-pass": [], "one-pass-shared-cores": [], "two-pass": []}
+    runs: dict[str, list[dict]] = {m: [] for m in args.modes.split(",")}
+    if "two-pass" not in runs or any(m not in CORES for m in runs if m != "two-pass"):
+        raise SystemExit(f"--modes: two-pass and any of {', '.join(CORES)}")
     with tempfile.TemporaryDirectory(prefix="vx-bench-one-pass-") as tmp:
         data = Path(tmp) / "prompts.jsonl"
         data.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -83,7 +93,7 @@ def main(argv=None):
                 if name == "two-pass":
                     r = two_pass(data, work, gen, model)
                 else:
-                    r = one_pass(data, work, gen, model, shared=name == "one-pass-shared-cores")
+                    r = one_pass(data, work, gen, model, name)
                 runs[name].append(r)
                 shutil.rmtree(work)
                 print(f"rep {rep} {name:9s} {r['wall_s']:7.1f}s (generate {r['generate_s']:.1f}s, "

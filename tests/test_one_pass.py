@@ -36,8 +36,11 @@ def test_a_kill_9_mid_run_then_a_rerun_leaves_every_conversation_once_with_its_o
                                                                                           tokenizer, fp32_model):
     out = tmp_path / "out"
     manifest, regen = out / "manifest.jsonl", out / "regenerated.jsonl"
+    # the first run as on a GPU: the capture follows the regeneration (here on halves of the cores),
+    # so the kill lands with both mid-run; the rerun as on CPU: the capture after the regeneration
+    following = dict(os.environ, VX_ONE_PASS_CORES="split")
     first = subprocess.Popen(one_pass(out), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             start_new_session=True)
+                             start_new_session=True, env=following)
     deadline = time.monotonic() + 900  # two engines start on a loaded machine: wait for events, not seconds
     while time.monotonic() < deadline and first.poll() is None and committed_lines(manifest) < 2:
         time.sleep(0.2)
@@ -77,3 +80,26 @@ def test_a_kill_9_mid_run_then_a_rerun_leaves_every_conversation_once_with_its_o
                 cos = torch.nn.functional.cosine_similarity(got[:, j].flatten(), ref[:, j].flatten(), dim=0)
                 assert cos >= 0.999, (c["id"], LAYERS[j], float(cos))
             assert (got.abs().amax(dim=(1, 2)) > 0).all()  # no zero row
+
+
+def test_a_followed_input_yields_committed_rows_only_and_after_its_end_when_asked(tmp_path):
+    from vx.data.follow import FollowingInput
+    from vx.data.samples import PENDING
+
+    path = tmp_path / "regenerated.jsonl"
+    path.write_text('{"id": "a"}\n{"id": "b"}\n{"id": "c"')  # c is not committed (no newline, past the mark)
+    (tmp_path / "regenerated.jsonl.committed").write_text(str(len('{"id": "a"}\n{"id": "b"}\n')))
+    done = {"now": False}
+
+    def ids(after_end: bool, limit: int = 5) -> list:
+        got = []
+        for row in FollowingInput(path, lambda: done["now"], pending=True, after_end=after_end).rows():
+            got.append("PENDING" if row is PENDING else row.record["id"])
+            if len(got) == limit:
+                break
+        return got
+
+    assert ids(False) == ["a", "b", "PENDING", "PENDING", "PENDING"]  # following: as they commit
+    assert ids(True, 3) == ["PENDING"] * 3                             # after the end: nothing before it
+    done["now"] = True
+    assert ids(True) == ["a", "b"]  # the writer is done: every committed row, then the input ends

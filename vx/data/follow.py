@@ -32,8 +32,10 @@ class FollowingInput(Input):
     when the writer failed). pending: yield PENDING while waiting (a consumer with work in flight
     keeps it moving), else sleep."""
 
-    def __init__(self, path: Path, finished: Callable[[], bool], pending: bool = False, poll_s: float = 0.05):
+    def __init__(self, path: Path, finished: Callable[[], bool], pending: bool = False, poll_s: float = 0.05,
+                 after_end: bool = False):
         self.path, self.finished, self.pending, self.poll_s = Path(path), finished, pending, poll_s
+        self.after_end = after_end  # read nothing before the writer is done (it keeps the cores until then)
         super().__init__(str(path), files=[InputFile(str(path), 0)])
 
     def rows(self) -> Iterator[Row | object]:
@@ -41,7 +43,7 @@ class FollowingInput(Input):
         f = self.files[0]
         while True:
             done = self.finished()  # asked before reading: a read after it sees every committed row
-            end = committed_bytes(self.path)
+            end = committed_bytes(self.path) if done or not self.after_end else offset
             if end > offset:
                 with open(self.path, "rb") as fh:
                     fh.seek(offset)

@@ -45,7 +45,7 @@ class VllmExtractor:
     """One vLLM engine with vx's capture connector; `run()` can be called repeatedly."""
 
     def __init__(self, model_dir: Path, layer_ids: list[int], log_file: Path | None = None, verbose: bool = False,
-                 **options):
+                 warm: bool = True, **options):
         """log_file: where vLLM's log and its processes' output go (vx/engine/logs.py); None = stderr."""
         if list(layer_ids) != sorted(set(layer_ids)):
             raise UsageError(f"layer ids must be sorted and distinct, got {layer_ids}")
@@ -59,7 +59,7 @@ class VllmExtractor:
                 raise
             raise VxError(f"the vLLM engine failed to start ({type(e).__name__}: {str(e)[:300]}); "
                           f"its log: {log_file}") from e
-        self.warmup_s = self.warm_up()
+        self.warmup_s = self.warm_up() if warm else 0.0
 
     def _start(self, model_dir: Path, layer_ids: list[int], options: dict) -> None:
         from vx.device import engine_env
@@ -204,7 +204,8 @@ def run_vllm(cfg, model_dir, info, layer_ids, samples, shard_args, bar, t0, erro
                        max_model_len=cfg.max_model_len,
                        max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
                        gpu_memory_utilization=cfg.gpu_memory_utilization,
-                       tensor_parallel_size=cfg.tensor_parallel_size, enforce_eager=cfg.enforce_eager)
+                       tensor_parallel_size=cfg.tensor_parallel_size, enforce_eager=cfg.enforce_eager,
+                       warm=cfg.warm_up)
     load_s = time.perf_counter() - t_load - ex.warmup_s + (t_load - t0)
     counts = {"n": 0, "tokens": 0}
     bar.meter.sources.append(lambda: {"in_flight": len(getattr(ex, "in_flight", ()))})

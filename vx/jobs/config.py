@@ -46,6 +46,7 @@ class ExtractConfig:
     gpu_memory_utilization: float | None = None  # None: 0.9 on GPU, 0.3 of host memory on CPU
     tensor_parallel_size: int = 1
     enforce_eager: bool | None = None        # None: compiled on GPU, the measured faster mode on CPU
+    warm_up: bool = True                     # dummy prefills before the timed loop (vx/engine/vllm_engine.py)
     # S3 sink
     upload: str | None = None                # s3://bucket/prefix mirrored from the local output
     endpoint_url: str | None = None          # S3-compatible endpoint

@@ -77,6 +77,9 @@ class _Reporter:
         """sink(snapshot, final) is called each second and at the end (vx/monitor/meter.py Ticker)."""
         self.ticker.sinks.append(sink)
 
+    def emit(self, event: str = "progress", **extra) -> None:
+        """An event for a launcher reading this process (EventProgress); nothing on a terminal."""
+
 
 class RunProgress(_Reporter):
     def __init__(self, total: int | None, enabled: bool | None = None, label: str = "extract",

@@ -1,18 +1,20 @@
 """`vx extract DATA -o OUT --regenerate`: the target writes the assistant turns and vx captures
 the final conversations' states, in one command and one run.
 
-The regeneration runs on a plain engine (`vx regenerate`'s, in a child process of this one) and
-the capture on vx's engine here; vx's engine prefills each conversation as soon as the
-regeneration has committed it, following OUT/regenerated.jsonl (vx/data/follow.py), so both
-engines start at once and generation and capture overlap. Why not capture during generation on
+The regeneration runs on a plain engine (`vx regenerate`'s, in a child process of this one,
+started first: its imports overlap this process's plan) and the capture on vx's engine here, both
+started at once. On a GPU vx's engine prefills each conversation as soon as the regeneration has
+committed it, following OUT/regenerated.jsonl (vx/data/follow.py), so generation and capture
+overlap on the device, each engine at its own --gpu-memory-utilization (default 0.45 each). On
+CPU both engines have every core, and the capture starts once every conversation is committed:
+two engines computing at once on the same cores stall each other's OpenMP threads (generation ran
+at about half speed beside a following capture, bench/one_pass.py), and the one-pass saving is the
+second engine's start, which overlaps generation either way. Why not capture during generation on
 one engine: vLLM's extract_hidden_states method, the contract vx's capture rides, schedules a
 draft position per request per decode step, which made generation 0.22-0.28x as fast on CPU and
 would halve a 27B target's batch on an H200 (docs/performance.md, capture during generation).
 The stored rows are the chat template's rendering of each regenerated conversation, tokenized:
 exactly what `vx extract OUT/regenerated.jsonl` would store.
-
-On CPU the two engines split the cores (the regeneration the first half, the capture the rest);
-on a GPU they share it, each at its own --gpu-memory-utilization (default 0.45 each).
 
 Exactly once: the regeneration commits a conversation (fsynced, then OUT/regenerated.jsonl.committed)
 before the capture may read it, and the capture commits its states with the shard manifest. A
@@ -38,6 +40,7 @@ from vx.errors import UsageError, VxError
 REGENERATED = "regenerated.jsonl"
 GPU_SHARE = 0.45  # each engine's default --gpu-memory-utilization when both share a GPU
 STOP_S = 5.0      # the regeneration's process group gets this long after SIGTERM, then SIGKILL
+LATER = "stdin"   # the child's max_model_len when the driver computes it while the child starts
 
 
 def regen_config(cfg) -> dict:
@@ -108,16 +111,20 @@ def check_rerun(cfg, out: Path) -> None:
     os.replace(tmp, path)
 
 
-def core_split() -> tuple[list[int], list[int]] | None:
-    """On CPU: (the regeneration's cores, the capture's). None on a GPU machine, or with
-    VX_ONE_PASS_SHARED_CORES=1 (both engines on every core; bench/one_pass.py measures both)."""
+def cpu_layout() -> tuple[tuple[list[int], list[int]] | None, bool]:
+    """(the regeneration's cores and the capture's, or None for every core to both; whether the
+    capture waits for the regeneration's end). GPU: shared device, following. CPU: every core to
+    both, capture after. VX_ONE_PASS_CORES=split (bench/one_pass.py): the cores halved and the
+    capture following, the layout measured against it."""
     from vx.device import cuda_available
 
-    if cuda_available() or os.environ.get("VX_ONE_PASS_SHARED_CORES") == "1":
-        return None
+    if cuda_available():
+        return None, False
+    if os.environ.get("VX_ONE_PASS_CORES") != "split":
+        return None, True
     cores = sorted(os.sched_getaffinity(0))
     half = max(1, len(cores) // 2)
-    return cores[:half], cores[half:] or cores
+    return (cores[:half], cores[half:] or cores), False
 
 
 def pin_env(cores: list[int]) -> dict[str, str]:
@@ -132,13 +139,24 @@ class Regeneration:
     def __init__(self, cfg, env: dict[str, str], log: Path):
         self.log = log
         full = dict(os.environ, **env, VX_PARENT_PID=str(os.getpid()))
+        conf = regen_config(cfg)
+        if not cfg.max_model_len:
+            conf["max_model_len"] = LATER  # sent by send_max_model_len(), while the child imports
         with open(log, "a") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "vx.pipeline.one_pass", json.dumps(regen_config(cfg))],
-                                         env=full, stdout=subprocess.PIPE, stderr=err, text=True,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen([sys.executable, "-m", "vx.pipeline.one_pass", json.dumps(conf)],
+                                         env=full, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                                         text=True, start_new_session=True)
         self.summary: dict | None = None
+        self.committed = threading.Event()  # every conversation committed (the child's engine may still be stopping)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
+
+    def send_max_model_len(self, n: int) -> None:
+        try:
+            self.proc.stdin.write(f"{n}\n")
+            self.proc.stdin.close()
+        except (BrokenPipeError, OSError):
+            pass  # it already stopped: finished() says why
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -146,20 +164,38 @@ class Regeneration:
                 rec = json.loads(line)
             except ValueError:
                 continue
-            if rec.get("vx") == "summary":
+            if rec.get("vx") == "committed":
+                self.committed.set()
+            elif rec.get("vx") == "summary":
                 self.summary = rec.get("summary")
 
-    def finished(self) -> bool:
-        rc = self.proc.poll()
-        if rc is None:
-            return False
+    def _check(self, rc: int) -> None:
         if rc != 0:
             from vx.launch.workers import last_line
 
             why = last_line(self.log).removeprefix("vx: error: ") or f"see {self.log}"
             raise VxError(f"the regeneration stopped (exit {rc}): {why}")
+
+    def finished(self) -> bool:
+        """True once every conversation is committed (its engine may still be stopping), raising if
+        the child failed before that."""
+        if self.committed.is_set():
+            return True
+        rc = self.proc.poll()
+        if rc is None:
+            return False
+        self._check(rc)
         self._reader.join(5.0)
         return True
+
+    def wait(self, timeout: float = 60.0) -> None:
+        """The child's exit (its engine stopped, its summary read); raises if it failed."""
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise VxError(f"the regeneration did not exit {timeout:.0f} s after its last commit; see {self.log}")
+        self._check(rc)
+        self._reader.join(5.0)
 
     def stop(self) -> None:
         """Its whole process group (its engine included): SIGTERM, then SIGKILL after STOP_S."""
@@ -192,25 +228,30 @@ def run_one_pass(cfg, progress: bool | None = None):
     out.mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(exist_ok=True)
     check_rerun(cfg, out)
-    split = core_split()
+    split, after_end = cpu_layout()
     gen_env = pin_env(split[0]) if split else {}
     from vx.device import cuda_available
 
     if cuda_available() and cfg.gpu_memory_utilization is None:
         cfg = replace(cfg, gpu_memory_utilization=GPU_SHARE)
-    if not cfg.max_model_len:
-        cfg = replace(cfg, max_model_len=max_model_len(cfg))
+    # the child first: its imports and engine start are the critical path, the plan below is not
     regen = Regeneration(cfg, gen_env, out / "logs" / "regenerate.log")
     cores, env = os.sched_getaffinity(0), dict(os.environ)  # given back after: a caller in this process keeps its own
     try:
+        if not cfg.max_model_len:
+            cfg = replace(cfg, max_model_len=max_model_len(cfg))
+            regen.send_max_model_len(cfg.max_model_len)
         if split:
             os.sched_setaffinity(0, set(split[1]))
             os.environ.update(pin_env(split[1]))
         (out / REGENERATED).touch()  # the capture's config checks its input exists
-        source = FollowingInput(out / REGENERATED, regen.finished, pending=cfg.backend != "hf")
-        s = run_extract(replace(cfg, data=str(out / REGENERATED), regenerate=False,
+        source = FollowingInput(out / REGENERATED, regen.finished, pending=cfg.backend != "hf",
+                                after_end=after_end)
+        # a capture after the end skips the warm-up: its dummy prefills would run beside the generation
+        # on the same cores (CPU runs eager by default: nothing to compile before the first batch)
+        s = run_extract(replace(cfg, data=str(out / REGENERATED), regenerate=False, warm_up=not after_end,
                                 max_model_len=cfg.max_model_len + TAIL), progress=progress, source=source)
-        regen.finished()  # raises if it failed after its last commit
+        regen.wait()  # raises if it failed after its last commit
     finally:
         regen.stop()
         os.sched_setaffinity(0, cores)
@@ -227,7 +268,18 @@ def main(argv: list[str]) -> int:
     from vx.regenerate.config import RegenConfig
     from vx.regenerate.run import run_regenerate
 
-    return run_partition_worker(argv, lambda d, events: run_regenerate(RegenConfig(**d), reporter=events))
+    def run(d: dict, events):
+        if d["max_model_len"] == LATER:  # import the engine's modules while the driver plans, then ask
+            from vx.regenerate.engine import preload
+
+            preload(d["tensor_parallel_size"], Path(d["output"]))
+            line = sys.stdin.readline()
+            if not line.strip():
+                raise VxError("the one-pass driver stopped before the regeneration could start")
+            d = dict(d, max_model_len=int(line))
+        return run_regenerate(RegenConfig(**d), reporter=events)
+
+    return run_partition_worker(argv, run)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,17 @@ def split_reasoning(text: str, separate: bool) -> dict:
     return {"content": text}
 
 
+def preload(tensor_parallel_size: int, output: Path) -> None:
+    """vLLM's modules imported ahead of start_engine (their notices to its log), for a process
+    that has time to spare before it knows the engine's settings."""
+    from vx.device import engine_env
+    from vx.engine.logs import engine_output
+
+    with engine_output(sidecar(output, ".vllm.log")):
+        engine_env(tensor_parallel_size)
+        from vllm import LLM  # noqa: F401
+
+
 def start_engine(cfg, model_dir: Path, log: Path):
     """A plain vLLM engine (no capture), prefix caching on; its log in `log`."""
     from vx.device import engine_env
@@ -139,6 +150,7 @@ def generate(cfg, model_dir, tokenizer, chat, separate, first, convs, out, bar, 
         watch.check()
         out.commit()
         t_done = time.perf_counter()  # every conversation written and fsynced; the engine's stop is not generation
+        bar.emit("committed")  # a follower (vx extract --regenerate) may finish while the engine stops
     finally:
         with contextlib.suppress(Exception):
             stop_engine(raw_engine, watch)
