@@ -92,6 +92,7 @@ def check_rerun(cfg, out: Path) -> None:
     """The generation options are part of the output: a rerun continues only with the same ones
     (--overwrite starts the conversations over, with the states)."""
     from vx.data.generation import generation_json
+    from vx.store.lock import write_atomically
 
     opts = dict(generation_json(cfg), **{k: getattr(cfg, k) for k in ("chat_template", "chat_template_kwargs",
                                                                         "model")})
@@ -106,9 +107,7 @@ def check_rerun(cfg, out: Path) -> None:
             raise UsageError(f"{out} was regenerated with other {', '.join('--' + k.replace('_', '-') for k in changed)} "
                              f"({', '.join(f'{k}={before.get(k)!r}' for k in changed)}); rerun with those, or "
                              "--overwrite to start over")
-    tmp = out / (GENERATION + ".tmp")
-    tmp.write_text(json.dumps(opts, indent=1) + "\n")
-    os.replace(tmp, path)
+    write_atomically(path, json.dumps(opts, indent=1) + "\n")
 
 
 def cpu_layout() -> tuple[tuple[list[int], list[int]] | None, bool]:
@@ -169,23 +168,14 @@ class Regeneration:
             elif rec.get("vx") == "summary":
                 self.summary = rec.get("summary")
 
-    def _check(self, rc: int) -> None:
-        if rc != 0:
-            from vx.launch.workers import last_line
-
-            why = last_line(self.log).removeprefix("vx: error: ") or f"see {self.log}"
-            raise VxError(f"the regeneration stopped (exit {rc}): {why}")
-
     def finished(self) -> bool:
         """True once every conversation is committed (its engine may still be stopping), raising if
         the child failed before that."""
         if self.committed.is_set():
             return True
-        rc = self.proc.poll()
-        if rc is None:
+        if self.proc.poll() is None:
             return False
-        self._check(rc)
-        self._reader.join(5.0)
+        self.wait()
         return True
 
     def wait(self, timeout: float = 60.0) -> None:
@@ -194,7 +184,11 @@ class Regeneration:
             rc = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             raise VxError(f"the regeneration did not exit {timeout:.0f} s after its last commit; see {self.log}")
-        self._check(rc)
+        if rc != 0:
+            from vx.launch.workers import last_line
+
+            why = last_line(self.log).removeprefix("vx: error: ") or f"see {self.log}"
+            raise VxError(f"the regeneration stopped (exit {rc}): {why}")
         self._reader.join(5.0)
 
     def stop(self) -> None:

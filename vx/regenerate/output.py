@@ -17,7 +17,7 @@ from pathlib import Path
 from vx import faults
 from vx.errors import UsageError
 from vx.data.follow import COMMITTED
-from vx.store.lock import try_lock
+from vx.store.lock import try_lock, write_atomically
 
 
 def parts_dir(output: Path) -> Path:
@@ -70,9 +70,7 @@ class RegenOutput:
 
     def _mark(self) -> None:
         """OUTPUT.committed: the durable size (vx/data/follow.py reads no further), replaced atomically."""
-        tmp = sidecar(self.path, COMMITTED + ".tmp")
-        tmp.write_text(str(self.path.stat().st_size))
-        os.replace(tmp, sidecar(self.path, COMMITTED))
+        write_atomically(sidecar(self.path, COMMITTED), str(self.path.stat().st_size))
 
     def add(self, record: dict, every: int) -> None:
         self._pending.append(json.dumps(record, ensure_ascii=False).encode() + b"\n")
