@@ -34,7 +34,8 @@ FIRST = ["chat-vllm-run", "ray", "test_engine_lifetime", "test_fault_campaign", 
          "test_regenerate", "test_s3", "test_follow", "test_selftest"]
 
 
-def pytest_collection_modifyitems(config, items):
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the groups into node ids: after it,
+def pytest_collection_modifyitems(config, items):  # the marks were ignored and a file's tests spread
     def group(item) -> str:
         name = item.module.__name__
         return GROUPS.get(name, name)
@@ -43,6 +44,15 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(group(item), len(FIRST)))  # stable: file order kept within
     for item in items:
         item.add_marker(pytest.mark.xdist_group(group(item)))
+
+
+def pytest_xdist_node_collection_finished(node, ids):
+    """Under --dist loadgroup xdist sends a group to one worker by a suffix on each node id; a
+    pytest/xdist pair that drops it (pytest-dev/pytest-xdist#1386) spreads every file over both
+    workers, building each module fixture and engine twice: stop instead of running slowly."""
+    if node.config.getvalue("dist") == "loadgroup" and ids and not any("@" in i for i in ids):
+        pytest.exit("pytest-xdist ignored the test groups (--dist loadgroup): install the pytest range that "
+                    "pyproject.toml's test extra allows", returncode=3)
 
 
 @pytest.fixture(scope="session")
