@@ -92,6 +92,17 @@ def test_qwen3_5_hybrid_gdn_matches_hf_under_continuous_batching(qwen35_engine, 
     assert_matches(ds, samples, hf_reference(tiny_model, samples, labels))  # ... is what the states are
 
 
+def test_a_prompt_one_token_over_the_step_alone_in_the_engine_matches_hf(qwen35_engine, tiny_model, tmp_path):
+    """Its last chunk is one token, alone in its step, which vLLM's CPU GDN layers run as a decode:
+    the engine died there before patches/vllm_cpu_gdn_one_decode_indices.py (found by the fault
+    campaign's --dp 2 reruns)."""
+    rng = random.Random(11)
+    n = qwen35_engine.max_num_batched_tokens + 1
+    s = Sample("one-over", 1, [rng.randrange(500) for _ in range(n)], [1] * n)
+    ds = extract(qwen35_engine, [s], tmp_path, 256)
+    assert_matches(ds, [s], hf_reference(tiny_model, [s], list(range(8))))
+
+
 def test_the_engine_is_reusable_and_rejects_what_it_cannot_hold(qwen35_engine, tiny_model, tmp_path):
     samples = mixed_samples(500, n=10, seed=3)
     too_long = Sample("too-long", 99, [7] * qwen35_engine.max_model_len, [1] * qwen35_engine.max_model_len)
