@@ -45,24 +45,18 @@ def assert_same_dataset(got, want, states=True):
                 assert (ga[:, j] - gb[:, j]).abs().max() <= REL_MAX * gb[:, j].abs().max()
 
 
-def test_2_engines_of_tensor_parallel_2_give_the_single_process_dataset(tmp_path, single_vllm):
-    """DP x TP = 2 x 2 (on CPU: 4 ranks on this machine's cores); only TP rank 0 captures."""
-    out = tmp_path / "dp-tp"
-    r, s = extract(CHAT, "-o", str(out), "--backend", "vllm", "--dp", "2", "--tensor-parallel-size", "2")
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert s["samples"] == 64 and len(s["partitions"]) == 2
-    assert_same_dataset(vx.open_dataset(out), single_vllm)
-
-
-def test_two_data_parallel_engines_survive_a_killed_engine_and_give_the_single_process_dataset(tmp_path,
-                                                                                                single_vllm):
-    """--dp 2, partition 1's engine core killed with SIGKILL as its 6th sample finishes: its
+def test_two_tensor_parallel_engines_survive_a_killed_engine_and_give_the_single_process_dataset(tmp_path,
+                                                                                                  single_vllm):
+    """--dp 2 x --tensor-parallel-size 2 (on CPU: 4 ranks on this machine's cores; only TP rank 0
+    captures), partition 1's engine core killed with SIGKILL as its 6th sample finishes: its
     worker ends (exit 3, the engine's pid and signal in its line), the run reports which
     partition and why, the same command finishes that partition only, and the output is the
     single process's dataset, balanced. (A killed partition worker is the same path to the
-    launcher: a worker that exits non-zero; test_regen_partitions kills one.)"""
+    launcher: a worker that exits non-zero; test_regen_partitions kills one.) One test for both
+    dimensions: on CPU an engine's start is most of a run of these 64 samples."""
     out = tmp_path / "dp"
-    args = (CHAT, "-o", str(out), "--backend", "vllm", "--dp", "2", "--max-num-seqs", "4", "--shard-size", "0.5")
+    args = (CHAT, "-o", str(out), "--backend", "vllm", "--dp", "2", "--tensor-parallel-size", "2", "--max-num-seqs",
+            "4", "--shard-size", "0.5")
     r, _ = extract(*args, env={"VX_FAULT": "engine-sample:6", "VX_FAULT_PARTITION": "1"})
     assert r.returncode == 1 and "1 of 2 partitions failed: partition 1 (exit 3" in r.stderr, r.stderr[-2000:]
     assert re.search(r"the vLLM engine \(pid \d+\) died: killed by SIGKILL", r.stderr), r.stderr[-2000:]
