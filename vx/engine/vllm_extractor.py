@@ -194,8 +194,9 @@ class VllmExtractor:
         self.reaper.stop()
 
 
-def run_vllm(cfg, model_dir, info, layer_ids, samples, shard_args, bar, t0, errors):
-    """The `vx extract --backend vllm` job; returns (load_s, warmup_s, extract_s, samples, tokens, stats)."""
+def run_vllm(cfg, model_dir, info, layer_ids, samples, shard_args, bar, t0, errors, started=None):
+    """The `vx extract --backend vllm` job; returns (load_s, warmup_s, extract_s, samples, tokens, stats).
+    started(): called once the engine has started (and warmed up), before the first sample."""
     if cfg.dtype not in ("auto", "bfloat16", "float16", "float32"):
         raise UsageError(f"--dtype {cfg.dtype} is not supported by the vllm backend")
     t_load = time.perf_counter()
@@ -221,6 +222,8 @@ def run_vllm(cfg, model_dir, info, layer_ids, samples, shard_args, bar, t0, erro
 
     t1 = time.perf_counter()
     try:
+        if started is not None:
+            started()
         stats = ex.run(samples, cfg.output, *shard_args, on_done=done, on_reject=reject)
         extract_s = time.perf_counter() - t1  # the engine's shutdown is not extraction time
     finally:

@@ -88,9 +88,11 @@ def prepare_root(cfg: ExtractConfig, job: Job) -> None:
     Output.of(cfg).prepare_root(job.meta, cfg.overwrite)
 
 
-def run_extract(cfg: ExtractConfig, progress: bool | None = None, reporter=None, source=None) -> Summary:
+def run_extract(cfg: ExtractConfig, progress: bool | None = None, reporter=None, source=None,
+                started=None) -> Summary:
     """One process, one engine: the whole dataset, or one partition of it (cfg.partition_index).
-    source: another input than cfg.data as read (vx/jobs/one_pass.py follows a regeneration)."""
+    source: another input than cfg.data as read (vx/pipeline/one_pass.py follows a regeneration);
+    started(): called before the first sample, once the vLLM engine has started (hf: before its load)."""
     t0 = time.perf_counter()
     job = prepare_job(cfg, source)
     if cfg.strict and not cfg.plan_file:  # a launcher (which hands out plan files) checked it once
@@ -104,7 +106,7 @@ def run_extract(cfg: ExtractConfig, progress: bool | None = None, reporter=None,
     out.reset_or_sync(cfg.overwrite)
     elsewhere = root.committed_elsewhere(exclude=out)  # other partitions, of this run or an earlier one
     with out.lock():
-        return _extract_locked(cfg, job, out, lines, elsewhere, progress, reporter, t0, root)
+        return _extract_locked(cfg, job, out, lines, elsewhere, progress, reporter, t0, root, started)
 
 
 def _retainer(cfg: ExtractConfig, out: Output, root: Output, budget: int):
@@ -117,7 +119,8 @@ def _retainer(cfg: ExtractConfig, out: Output, root: Output, budget: int):
     return Retainer(where, cfg.endpoint_url, part, out.local, budget).start()
 
 
-def _extract_locked(cfg, job, out: Output, lines, elsewhere, progress, reporter, t0, root=None) -> Summary:
+def _extract_locked(cfg, job, out: Output, lines, elsewhere, progress, reporter, t0, root=None,
+                    started=None) -> Summary:
     meta, info, layer_ids = job.meta, job.info, job.layer_ids
     state = out.open(meta, cfg.overwrite)
     out.begin_run()
@@ -163,6 +166,8 @@ def _extract_locked(cfg, job, out: Output, lines, elsewhere, progress, reporter,
             writer = ShardWriter(cfg.output, shard_meta, shard_args[1], state.next_shard, len(layer_ids),
                                  info.hidden_size, cfg.store_dtype, on_reject=reject, max_local_bytes=max_local,
                                  compress=cfg.compress)
+            if started is not None:
+                started()
             *stats, = _run_hf(cfg, job.model_dir, layer_ids, job.tokenizer, chain([first], samples), writer,
                               bar, t0)
             shards, nbytes, peak_local = writer.committed_shards, writer.committed_bytes, writer.peak_local_bytes
@@ -170,7 +175,7 @@ def _extract_locked(cfg, job, out: Output, lines, elsewhere, progress, reporter,
             from vx.engine.vllm_extractor import run_vllm
 
             *stats, wstats = run_vllm(cfg, job.model_dir, info, layer_ids, chain([first], samples), shard_args, bar,
-                                      t0, errors)
+                                      t0, errors, started)
             shards, nbytes = wstats.get("shards", 0), wstats.get("bytes", 0)
             peak_local = wstats.get("peak_local_bytes", 0)
             max_model_len = wstats.get("max_model_len")

@@ -2,14 +2,17 @@
 the final conversations' states, in one command and one run.
 
 The regeneration runs on a plain engine (`vx regenerate`'s, in a child process of this one,
-started first: its imports overlap this process's plan) and the capture on vx's engine here, both
-started at once. On a GPU vx's engine prefills each conversation as soon as the regeneration has
-committed it, following OUT/regenerated.jsonl (vx/data/follow.py), so generation and capture
-overlap on the device, each engine at its own --gpu-memory-utilization (default 0.45 each). On
-CPU both engines have every core, and the capture starts once every conversation is committed:
-two engines computing at once on the same cores stall each other's OpenMP threads (generation ran
-at about half speed beside a following capture, bench/one_pass.py), and the one-pass saving is the
-second engine's start, which overlaps generation either way. Why not capture during generation on
+started first: its imports overlap this process's plan) and the capture on vx's engine here. On a
+GPU vx's engine starts once the regeneration's has (vLLM sizes its KV cache from the device's free
+memory, which another engine starting beside it changes), then prefills each conversation as soon
+as the regeneration has committed it, following OUT/regenerated.jsonl (vx/data/follow.py), so
+generation and capture overlap on the device, each engine at its own --gpu-memory-utilization
+(default 0.45 each). On CPU both engines start at once on every core, the regeneration generates
+once vx's engine has started (an engine starting beside the generation slowed it by ~30%), and
+the capture starts once every conversation is committed: two engines computing at once on the
+same cores stall each other's OpenMP threads (generation ran at about half speed beside a
+following capture, bench/one_pass.py). On CPU the saving is the second engine's start, made
+beside the first's. Why not capture during generation on
 one engine: vLLM's extract_hidden_states method, the contract vx's capture rides, schedules a
 draft position per request per decode step, which made generation 0.22-0.28x as fast on CPU and
 would halve a 27B target's batch on an H200 (docs/performance.md, capture during generation).
@@ -27,20 +30,15 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
-import threading
-import time
 from dataclasses import replace
 from pathlib import Path
 
 from vx.errors import UsageError, VxError
+from vx.pipeline.regeneration import LATER, Regeneration
 
 REGENERATED = "regenerated.jsonl"
 GPU_SHARE = 0.45  # each engine's default --gpu-memory-utilization when both share a GPU
-STOP_S = 5.0      # the regeneration's process group gets this long after SIGTERM, then SIGKILL
-LATER = "stdin"   # the child's max_model_len when the driver computes it while the child starts
 
 
 def regen_config(cfg) -> dict:
@@ -131,82 +129,6 @@ def pin_env(cores: list[int]) -> dict[str, str]:
             "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))}
 
 
-class Regeneration:
-    """The child process that regenerates into OUT/regenerated.jsonl (its own session, dying with
-    this process); finished() for the following input: True once it exited 0, raising if it failed."""
-
-    def __init__(self, cfg, env: dict[str, str], log: Path):
-        self.log = log
-        full = dict(os.environ, **env, VX_PARENT_PID=str(os.getpid()))
-        conf = regen_config(cfg)
-        if not cfg.max_model_len:
-            conf["max_model_len"] = LATER  # sent by send_max_model_len(), while the child imports
-        with open(log, "a") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "vx.pipeline.one_pass", json.dumps(conf)],
-                                         env=full, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                                         text=True, start_new_session=True)
-        self.summary: dict | None = None
-        self.committed = threading.Event()  # every conversation committed (the child's engine may still be stopping)
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def send_max_model_len(self, n: int) -> None:
-        try:
-            self.proc.stdin.write(f"{n}\n")
-            self.proc.stdin.close()
-        except (BrokenPipeError, OSError):
-            pass  # it already stopped: finished() says why
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if rec.get("vx") == "committed":
-                self.committed.set()
-            elif rec.get("vx") == "summary":
-                self.summary = rec.get("summary")
-
-    def finished(self) -> bool:
-        """True once every conversation is committed (its engine may still be stopping), raising if
-        the child failed before that."""
-        if self.committed.is_set():
-            return True
-        if self.proc.poll() is None:
-            return False
-        self.wait()
-        return True
-
-    def wait(self, timeout: float = 60.0) -> None:
-        """The child's exit (its engine stopped, its summary read); raises if it failed."""
-        try:
-            rc = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            raise VxError(f"the regeneration did not exit {timeout:.0f} s after its last commit; see {self.log}")
-        if rc != 0:
-            from vx.launch.workers import last_line
-
-            why = last_line(self.log).removeprefix("vx: error: ") or f"see {self.log}"
-            raise VxError(f"the regeneration stopped (exit {rc}): {why}")
-        self._reader.join(5.0)
-
-    def stop(self) -> None:
-        """Its whole process group (its engine included): SIGTERM, then SIGKILL after STOP_S."""
-        if self.proc.poll() is not None:
-            return
-        for sig, wait in ((signal.SIGTERM, STOP_S), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.proc.wait(wait)
-                return
-            except subprocess.TimeoutExpired:
-                continue
-
-
 def run_one_pass(cfg, progress: bool | None = None):
     """The one-pass job: returns extraction's Summary, with the regeneration's summary in it."""
     from vx.data.follow import FollowingInput
@@ -229,7 +151,9 @@ def run_one_pass(cfg, progress: bool | None = None):
     if cuda_available() and cfg.gpu_memory_utilization is None:
         cfg = replace(cfg, gpu_memory_utilization=GPU_SHARE)
     # the child first: its imports and engine start are the critical path, the plan below is not
-    regen = Regeneration(cfg, gen_env, out / "logs" / "regenerate.log")
+    # on CPU it generates once vx's engine has started (an hf capture has no engine start to wait for)
+    regen = Regeneration(regen_config(cfg), gen_env, out / "logs" / "regenerate.log",
+                         hold=after_end and cfg.backend != "hf")
     cores, env = os.sched_getaffinity(0), dict(os.environ)  # given back after: a caller in this process keeps its own
     try:
         if not cfg.max_model_len:
@@ -239,12 +163,16 @@ def run_one_pass(cfg, progress: bool | None = None):
             os.sched_setaffinity(0, set(split[1]))
             os.environ.update(pin_env(split[1]))
         (out / REGENERATED).touch()  # the capture's config checks its input exists
+        if not after_end:  # following (GPU): one engine starting at a time (vLLM sizes its KV cache from
+            regen.wait_ready()  # the device's free memory, which an engine starting beside it changes)
         source = FollowingInput(out / REGENERATED, regen.finished, pending=cfg.backend != "hf",
                                 after_end=after_end)
         # a capture after the end skips the warm-up: its dummy prefills would run beside the generation
         # on the same cores (CPU runs eager by default: nothing to compile before the first batch)
         s = run_extract(replace(cfg, data=str(out / REGENERATED), regenerate=False, warm_up=not after_end,
-                                max_model_len=cfg.max_model_len + TAIL), progress=progress, source=source)
+                                max_model_len=cfg.max_model_len + TAIL), progress=progress, source=source,
+                        started=regen.release)  # a held regeneration generates once this engine has started
+        regen.release()  # (a capture with nothing left to do starts no engine)
         regen.wait()  # raises if it failed after its last commit
     finally:
         regen.stop()
@@ -263,6 +191,7 @@ def main(argv: list[str]) -> int:
     from vx.regenerate.run import run_regenerate
 
     def run(d: dict, events):
+        hold = d.pop("hold", False)
         if d["max_model_len"] == LATER:  # import the engine's modules while the driver plans, then ask
             from vx.regenerate.engine import preload
 
@@ -271,7 +200,13 @@ def main(argv: list[str]) -> int:
             if not line.strip():
                 raise VxError("the one-pass driver stopped before the regeneration could start")
             d = dict(d, max_model_len=int(line))
-        return run_regenerate(RegenConfig(**d), reporter=events)
+
+        def ready():  # the engine started: the driver may start its own; held, wait for its word
+            events.emit("ready")
+            if hold and sys.stdin.readline().strip() != "go":
+                raise VxError("the one-pass driver stopped before the generation could start")
+
+        return run_regenerate(RegenConfig(**d), reporter=events, ready=ready)
 
     return run_partition_worker(argv, run)
 

@@ -60,8 +60,9 @@ def start_engine(cfg, model_dir: Path, log: Path):
         return LLM(**kw)
 
 
-def generate(cfg, model_dir, tokenizer, chat, separate, first, convs, out, bar, stats) -> dict:
-    """Every conversation in flight in one engine; returns generate_s (first request to last commit)."""
+def generate(cfg, model_dir, tokenizer, chat, separate, first, convs, out, bar, stats, ready=None) -> dict:
+    """Every conversation in flight in one engine; returns generate_s (first request to last commit).
+    ready(): called once the engine has started, before the first request."""
     from vx.engine.liveness import start_watched
     from vx.engine.reaper import Reaper
     from vx.engine.vllm_engine import stop_engine, tokens_input
@@ -119,9 +120,11 @@ def generate(cfg, model_dir, tokenizer, chat, separate, first, convs, out, bar, 
             conv = None
         return True
 
-    t_gen = time.perf_counter()
-    out.commit()  # starts the chunk clock now, not before the engine's start
     try:
+        if ready is not None:
+            ready()
+        t_gen = time.perf_counter()
+        out.commit()  # starts the chunk clock now, not before the engine's start
         more = refill(first)
         while active or more:
             for o in engine.step():

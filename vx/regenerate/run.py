@@ -68,8 +68,9 @@ def partition_rows(cfg: RegenConfig, source: Input, model_dir: Path):
     return mine, int(mine.sum())
 
 
-def run_regenerate(cfg: RegenConfig, progress: bool | None = None, reporter=None) -> dict:
-    """One process: the whole input, or one partition of it (cfg.partition_index)."""
+def run_regenerate(cfg: RegenConfig, progress: bool | None = None, reporter=None, ready=None) -> dict:
+    """One process: the whole input, or one partition of it (cfg.partition_index). ready(): called
+    once the engine has started, before its first request (the one-pass job sequences its engines)."""
     from vx.data.model import load_tokenizer, resolve_model
     from vx.monitor.progress import RunProgress
 
@@ -125,7 +126,8 @@ def run_regenerate(cfg: RegenConfig, progress: bool | None = None, reporter=None
         if first is not None:
             from vx.regenerate.engine import generate
 
-            stats.update(generate(cfg, model_dir, tokenizer, chat, separate, first, convs, out, bar, stats))
+            stats.update(generate(cfg, model_dir, tokenizer, chat, separate, first, convs, out, bar, stats,
+                                  ready))
         state = "done"
     finally:
         out.close()

@@ -1,0 +1,121 @@
+"""The one-pass job's regeneration: `vx regenerate` in a child process of `vx extract --regenerate`
+(vx/pipeline/one_pass.py), and what the driver says to it and hears from it.
+
+On its stdin: the engine's max_model_len when the driver computed it while the child imported
+vLLM (LATER), then "go" when the driver holds it (CPU: the generation starts once the capture's
+engine has). On its stdout, JSON events: "ready" (its engine started), "committed" (every
+conversation fsynced; its engine may still be stopping), "summary".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from vx.errors import VxError
+
+STOP_S = 5.0      # the regeneration's process group gets this long after SIGTERM, then SIGKILL
+LATER = "stdin"   # the child's max_model_len when the driver computes it while the child starts
+
+
+class Regeneration:
+    """The child process that regenerates into OUT/regenerated.jsonl (its own session, dying with
+    this process); finished() for the following input: True once it exited 0, raising if it failed."""
+
+    def __init__(self, conf: dict, env: dict[str, str], log: Path, hold: bool = False):
+        self.log = log
+        full = dict(os.environ, **env, VX_PARENT_PID=str(os.getpid()))
+        conf = dict(conf, hold=hold)  # hold: its engine started, it waits for release()
+        if not conf["max_model_len"]:
+            conf["max_model_len"] = LATER  # sent by send_max_model_len(), while the child imports
+        with open(log, "a") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", "vx.pipeline.one_pass", json.dumps(conf)],
+                                         env=full, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                                         text=True, start_new_session=True)
+        self.summary: dict | None = None
+        self.committed = threading.Event()  # every conversation committed (the child's engine may still be stopping)
+        self.ready = threading.Event()  # its engine started
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def send_max_model_len(self, n: int) -> None:
+        self._say(f"{n}\n")
+
+    def release(self) -> None:
+        """A held child generates (idempotent; its stdin closes: nothing more is said)."""
+        if not self.proc.stdin.closed:
+            self._say("go\n")
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+
+    def _say(self, line: str) -> None:
+        try:
+            self.proc.stdin.write(line)
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError, ValueError):
+            pass  # it already stopped: finished() says why
+
+    def wait_ready(self) -> None:
+        """Until its engine has started, or it ended (raising if it failed: nothing left to do is no failure)."""
+        while not (self.ready.wait(0.1) or self.committed.is_set()):
+            if self.proc.poll() is not None:
+                self.wait()
+                return
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("vx") == "committed":
+                self.committed.set()
+            elif rec.get("vx") == "ready":
+                self.ready.set()
+            elif rec.get("vx") == "summary":
+                self.summary = rec.get("summary")
+
+    def finished(self) -> bool:
+        """True once every conversation is committed (its engine may still be stopping), raising if
+        the child failed before that."""
+        if self.committed.is_set():
+            return True
+        if self.proc.poll() is None:
+            return False
+        self.wait()
+        return True
+
+    def wait(self, timeout: float = 60.0) -> None:
+        """The child's exit (its engine stopped, its summary read); raises if it failed."""
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise VxError(f"the regeneration did not exit {timeout:.0f} s after its last commit; see {self.log}")
+        if rc != 0:
+            from vx.launch.workers import last_line
+
+            why = last_line(self.log).removeprefix("vx: error: ") or f"see {self.log}"
+            raise VxError(f"the regeneration stopped (exit {rc}): {why}")
+        self._reader.join(5.0)
+
+    def stop(self) -> None:
+        """Its whole process group (its engine included): SIGTERM, then SIGKILL after STOP_S."""
+        if self.proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, STOP_S), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
