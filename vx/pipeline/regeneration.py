@@ -63,11 +63,9 @@ class Regeneration:
             pass  # it already stopped: finished() says why
 
     def wait_ready(self) -> None:
-        """Until its engine has started, or it ended (raising if it failed: nothing left to do is no failure)."""
-        while not (self.ready.wait(0.1) or self.committed.is_set()):
-            if self.proc.poll() is not None:
-                self.wait()
-                return
+        """Until its engine has started, or it is done (raising if it failed: nothing left to do is no failure)."""
+        while not (self.ready.wait(0.1) or self.finished()):
+            pass
 
     def _read(self) -> None:
         for line in self.proc.stdout:
