@@ -101,6 +101,47 @@ def require_driver() -> None:
         os._exit(1)
 
 
+WATCH_S = 1.0
+_watching = False
+
+
+def watch_driver(period_s: float = WATCH_S) -> bool:
+    """In an engine's worker process, once its engine has started: a daemon thread that ends the
+    engine when the driver is gone. The reaper does that from outside within a tick; this is the
+    second line, for when the reaper died with the driver (`pkill -9 -f vx`, a kill of every
+    process by name): the worker SIGKILLs its parent, the engine core (a process of the same
+    driver: vLLM's own shutdown after a lost worker takes ~5-10 s), then exits. False without a
+    driver mark."""
+    global _watching
+    mark = os.environ.get(DRIVER_ENV)
+    if not mark:
+        return False
+    if _watching:
+        return True
+    pid, start = map(int, mark.split(":"))
+    core = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(period_s)
+            st = _stat(pid)
+            if st is None or st[1] == "Z" or st[2] != start:
+                break
+        try:
+            environ = Path(f"/proc/{core}/environ").read_bytes().split(b"\0")
+            if f"{DRIVER_ENV}={mark}".encode() in environ:
+                os.kill(core, signal.SIGKILL)
+        except OSError:
+            pass
+        os._exit(1)
+
+    import threading
+
+    threading.Thread(target=watch, name="vx-driver-watch", daemon=True).start()
+    _watching = True
+    return True
+
+
 def die_with_parent(sig: int = signal.SIGKILL) -> bool:
     """Ask the kernel to send sig to this process the moment its parent dies (Linux
     PR_SET_PDEATHSIG); False where it cannot. A parent already gone is not noticed here: the

@@ -77,6 +77,7 @@ class VllmExtractor:
         llm, self.watch = start_watched(lambda: LLM(**kwargs))  # and this one with its engine (liveness.py)
         self._engine = llm.llm_engine  # unwatched: for the shutdown
         self.llm, self.engine = self.watch.guard(llm), self.watch.guard(llm.llm_engine)
+        self.llm.collective_rpc("vx_watch_driver")  # a second line, should the reaper die with this process
         config = self.engine.vllm_config
         self.max_num_seqs = config.scheduler_config.max_num_seqs
         self.max_num_batched_tokens = config.scheduler_config.max_num_batched_tokens

@@ -39,6 +39,12 @@ class VxWorkerExtension:
         conn.sink = CaptureSink(writer, store_dtype, conn.kv_cache.device, ring_bytes=ring_bytes,
                                 chunk_rows=chunk_rows, hold_bytes=hold_bytes)
 
+    def vx_watch_driver(self) -> bool:
+        """Once the engine has started: this process ends if the driver dies (vx/engine/reaper.py)."""
+        from vx.engine.reaper import watch_driver
+
+        return watch_driver()
+
     def vx_status(self) -> dict:
         """Samples the worker has taken from finished requests so far, and any writer failure."""
         from vx.engine.connector import worker_connector

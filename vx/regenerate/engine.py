@@ -40,16 +40,18 @@ def preload(tensor_parallel_size: int, output: Path) -> None:
 
 
 def start_engine(cfg, model_dir: Path, log: Path):
-    """A plain vLLM engine (no capture), prefix caching on; its log in `log`."""
+    """A vLLM engine without capture (vx's worker extension only to watch the driver), prefix
+    caching on; its log in `log`."""
     from vx.device import engine_env
     from vx.engine.logs import engine_output
+    from vx.engine.vllm_engine import EXTENSION
 
     with engine_output(log, cfg.verbose):
         on_cpu = engine_env(cfg.tensor_parallel_size)
         from vllm import LLM
 
         kw = dict(model=str(model_dir), tokenizer=str(model_dir), enable_prefix_caching=True, seed=cfg.seed or 0,
-                  tensor_parallel_size=cfg.tensor_parallel_size)
+                  tensor_parallel_size=cfg.tensor_parallel_size, worker_extension_cls=EXTENSION)
         if on_cpu:
             kw.update(dtype="bfloat16", enforce_eager=True, gpu_memory_utilization=cfg.gpu_memory_utilization or 0.3)
         elif cfg.gpu_memory_utilization:
@@ -78,6 +80,7 @@ def generate(cfg, model_dir, tokenizer, chat, separate, first, convs, out, bar, 
         SamplingParams,  # after the engine start: vLLM's import notices go to its log
     )
 
+    watch.guard(llm).collective_rpc("vx_watch_driver")  # a second line, should the reaper die with this process
     raw_engine = llm.llm_engine
     engine = watch.guard(raw_engine)
     window = 4 * engine.vllm_config.scheduler_config.max_num_seqs  # conversations read ahead
