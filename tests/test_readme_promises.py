@@ -1,7 +1,8 @@
 """What the README and docs/ promise, each through the real `vx` command: store dtypes and zstd on both
 backends (the vLLM worker's own writer included), refusal of another model, hidden size or store
 dtype on the same output, --strict, and kill -9 of a vLLM run that writes to S3, after which
-`vx verify` recomputes every sample, the redone ones included. References are plain HF forwards
+`vx verify` recomputes every sample, the redone ones included (the vLLM worker's writer staging at
+most --max-local-gb while the driver uploads). References are plain HF forwards
 (output_hidden_states), not vx's extractors."""
 
 import json
@@ -127,8 +128,10 @@ def test_kill_9_of_a_vllm_run_to_s3_then_rerun_gives_every_sample_once_and_verif
     rows = [{"id": f"k{i}", "text": f"sample {i} " * (20 + 40 * (i % 5))} for i in range(24)]
     data = write_jsonl(tmp_path / "d.jsonl", rows)
     env = dict(CREDS, VX_CACHE_DIR=machine_cache(tmp_path / "cache"))
+    # the worker's writer stages at most --max-local-gb (plus the shard it writes) while the driver uploads
     args = ["extract", str(data), "-o", "s3://vx-out/vllm-kill", "--endpoint-url", url, "--backend", "vllm",
-            "--max-num-batched-tokens", "512", "--max-num-seqs", "4", "--shard-size", "2", "--json"]
+            "--max-num-batched-tokens", "512", "--max-num-seqs", "4", "--shard-size", "2", "--max-local-gb", "0.001",
+            "--json"]
     killed = vx_cmd(*args, env=dict(env, VX_FAULT="after-step:6"))
     assert killed.returncode == -9, killed.stderr[-2000:]
     again = vx_cmd(*args, env=env)
@@ -139,6 +142,8 @@ def test_kill_9_of_a_vllm_run_to_s3_then_rerun_gives_every_sample_once_and_verif
     download(client, "vx-out", "vllm-kill", copy)
     ids = [sid for line in open(copy / "manifest.jsonl") for sid in json.loads(line)["sample_ids"]]
     assert sorted(ids) == sorted(r["id"] for r in rows)
+    largest_shard = max(json.loads(line)["bytes"] for line in open(copy / "manifest.jsonl"))
+    assert 0 < s["bytes_written"] <= s["uploaded_bytes"] and s["peak_local_bytes"] <= 0.001e9 + largest_shard
     v = vx_cmd("verify", "s3://vx-out/vllm-kill", "--endpoint-url", url, "--samples", "24", "--json", env=CREDS)
     assert v.returncode == 0, v.stdout + v.stderr[-2000:]
     report = json.loads(v.stdout)

@@ -142,20 +142,6 @@ def test_a_bad_target_fails_before_any_compute(s3_server, tmp_path, tiny_model, 
     assert "vx-test-secret" not in r.stderr
 
 
-def test_vllm_backend_writes_in_its_worker_while_the_driver_uploads(s3_server, tmp_path, tiny_model):
-    url, client = s3_server
-    r = vx_cmd("extract", str(data_file(tmp_path)), "-o", "s3://vx-out/run3", "--endpoint-url", url, "--backend",
-               "vllm", "--shard-size", "0.5", "--max-local-gb", "0.001", "--json",
-               env=dict(CREDS, VX_CACHE_DIR=machine_cache(tmp_path / "cache"), VLLM_LOGGING_LEVEL="WARNING"))
-    assert r.returncode == 0, r.stderr[-3000:]
-    s = json.loads(r.stdout)
-    assert s["samples"] == 24 and s["uploaded_bytes"] == s["bytes_written"] > 0
-    download(client, "vx-out", "run3", tmp_path / "copy")
-    largest_shard = max(json.loads(line)["bytes"] for line in open(tmp_path / "copy" / "manifest.jsonl"))
-    assert s["peak_local_bytes"] <= 0.001e9 + largest_shard
-    assert sorted(vx.open_dataset(tmp_path / "copy").ids) == sorted(f"s{i}" for i in range(24))
-
-
 def test_throttling_and_5xx_are_retried_with_backoff(s3_server, tmp_path, tiny_model):
     from s3_faults import FaultyProxy
 
