@@ -46,6 +46,31 @@ def pytest_collection_modifyitems(config, items):  # the marks were ignored and 
         item.add_marker(pytest.mark.xdist_group(group(item)))
 
 
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's loadgroup, but a worker gets its next group only once it is idle. xdist hands one
+    over as soon as a worker has 2 tests left (one running, one it holds back to know the next
+    item), so a group could be queued behind a 500 s test while the other worker ran dry at the
+    end. Here a group goes to the first worker down to its held-back test: the longest-first
+    order of FIRST then balances the two. (A worker cannot run its only test until it holds a
+    second one, so a one-test group still takes the next group along: its file ends with a short
+    test.)"""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class WhenIdle(LoadGroupScheduling):
+        def _reschedule(self, node) -> None:
+            if node.shutting_down:
+                return
+            if not self.workqueue:
+                node.shutdown()
+                return
+            if self._pending_of(self.assigned_work[node]) <= 1:
+                self._assign_work_unit(node)
+
+    return WhenIdle(config, log)
+
+
 def pytest_xdist_node_collection_finished(node, ids):
     """Under --dist loadgroup xdist sends a group to one worker by a suffix on each node id; a
     pytest/xdist pair that drops it (pytest-dev/pytest-xdist#1386) spreads every file over both

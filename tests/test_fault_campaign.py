@@ -98,3 +98,16 @@ def test_a_fault_at_every_durable_step_then_a_rerun_loses_nothing(tmp_path, tiny
     assert want <= set(t["failpoints_fired"]) and want <= set(faults.POINTS), want - set(t["failpoints_fired"])
     assert set(t["signals_sent"]) == {f"{s}->{tg}" for tg in ("driver", "group") for s in ("KILL", "TERM", "INT")}
     assert t["invariants_checked"] > 10 * t["trials"]
+
+
+def test_the_bench_campaign_reaches_every_failpoint_and_redraws_a_trial_from_its_seed():
+    """The bench's 200 trials (every mode) cover every failpoint vx has and every outside signal
+    to each target first; a trial is the same trial when drawn again from its printed seed."""
+    modes = campaign.MODES
+    cover = campaign.coverage(modes)
+    assert {item[1] for item in cover if item[0] == "point"} == set(faults.POINTS)
+    assert {(item[1], item[2]) for item in cover if item[0] == "signal"} == {
+        (tg, sig) for tg in ("driver", "group", "engine", "worker") for sig in campaign.SIGNALS}
+    for i in (0, len(cover) - 1, len(cover), 199):
+        assert campaign.draw(45, i, modes) == campaign.draw(45, i, modes)
+    assert campaign.draw(45, 150, modes) != campaign.draw(46, 150, modes)
