@@ -342,12 +342,16 @@ class Campaign:
         t0 = time.monotonic()
         p = subprocess.Popen(self.command(t, out), env=self.env(extra), cwd=ROOT, start_new_session=True,
                              stdout=open(log.with_suffix(".out"), "w"), stderr=open(log.with_suffix(".err"), "w"))
-        sent = None
+        sent, unhandled = None, False
         if fault and fault["kind"] == "signal":
             when = t0 + fault["at"] * self.estimate(t)
             while p.poll() is None and time.monotonic() < when:
                 time.sleep(0.05)
             pid = self.target_pid(p, fault["target"]) if p.poll() is None else None
+            # a signal before the driver took the signals (vx/__main__.py does so first thing,
+            # SIGTERM last) meets the interpreter's own start-up: the kernel's default action for
+            # SIGTERM, Python's for SIGINT (a KeyboardInterrupt or a fatal error out of its init)
+            unhandled = pid is not None and not procfs.catches(p.pid, signal.SIGTERM)
             if pid is not None:
                 try:
                     os.killpg(pid, SIGNALS[fault["sig"]]) if fault["target"] == "group" else \
@@ -378,17 +382,20 @@ class Campaign:
         if hung:
             bad.append(f"{what} did not end within {SIGNAL_EXIT_S if sent else RUN_S:.0f} s"
                        + (f" of SIG{fault['sig']} to its {fault['target']}" if sent else ""))
-        if sent and fault["target"] in ("driver", "group") and not hung and rc not in EXPECTED_RC[fault["sig"]]:
+        before_start = bool(sent and unhandled and rc != 0)  # what it says is then the interpreter's
+        if sent and fault["target"] in ("driver", "group") and not hung and not before_start and \
+                rc not in EXPECTED_RC[fault["sig"]]:
             bad.append(f"SIG{fault['sig']} to the {fault['target']}: exit code {rc}, not {EXPECTED_RC[fault['sig']]}")
-        if "Traceback" in stderr:
+        if "Traceback" in stderr and not before_start:
             bad.append(f"{what} printed a traceback: {stderr[-1500:]}")
         last = ([x for x in stderr.splitlines() if x.strip()] or [""])[-1]
-        if not hung and rc not in (0, -9) and not last.startswith("vx"):
+        if not hung and rc not in (0, -9) and not last.startswith("vx") and not before_start:
             bad.append(f"{what} ended {rc} without a one-line error: {stderr[-800:]}")
         if left:
             bad.append(f"processes outlived their driver by {ORPHAN_S:.0f} s: {left}")
         return {"fault": fault, "rc": rc, "seconds": round(ended - t0, 2), "hung": hung,
                 "exit_after_signal_s": round(ended - sent, 2) if sent else None, "stderr": stderr[-300:],
+                "before_start": bool(before_start),
                 "violations": bad}
 
     def target_pid(self, p: subprocess.Popen, target: str) -> int | None:

@@ -52,3 +52,11 @@ def processes_of(driver_pid: int) -> list[int]:
     """Live processes a driver started: they carry VX_DRIVER=<pid>:... in their environment."""
     mark = f"VX_DRIVER={driver_pid}:".encode()
     return [p for p in pids() if any(item.startswith(mark) for item in environ(p).split(b"\0")) and alive(p)]
+
+
+def catches(pid: int, sig: int) -> bool:
+    """Whether the process has a handler for sig now (the SigCgt mask of /proc/PID/status)."""
+    for line in _read(pid, "status").decode(errors="replace").splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False

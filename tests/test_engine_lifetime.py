@@ -246,3 +246,34 @@ def test_an_output_a_live_process_still_writes_is_refused_untouched(tmp_path, ti
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_signal_as_the_command_starts_is_the_documented_exit_and_one_line(tmp_path):
+    """A scheduler's kill as the job starts (the fault campaign's trial 184 of seed 45: SIGTERM at
+    once gave exit -15 and nothing on stderr): from the moment `vx` has taken the signals, the
+    first thing it does, while it loads its modules, it ends with 143 (SIGTERM) or 130 (SIGINT)
+    and one line, no traceback, nothing written."""
+    # the signals are vx's before the command line's modules start loading
+    probe = ("import builtins, signal, sys, vx.__main__ as m\n"
+             "load = builtins.__import__\n"
+             "def spy(name, *a, **k):\n"
+             "    if name == 'vx.cli':\n"
+             "        print(all(signal.getsignal(s) is m._before_start for s in (signal.SIGINT, signal.SIGTERM)))\n"
+             "        sys.exit(0)\n"
+             "    return load(name, *a, **k)\n"
+             "builtins.__import__ = spy\n"
+             "m.run()\n")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert r.stdout.strip() == "True", r.stdout + r.stderr[-2000:]
+    for sig, code in [(signal.SIGTERM, 143), (signal.SIGINT, 130)]:
+        out = tmp_path / f"out-{sig}"
+        p = subprocess.Popen([sys.executable, "-m", "vx", "extract", CHAT, "-o", str(out), "--backend", "hf"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
+        while not procfs.catches(p.pid, signal.SIGTERM):  # vx takes SIGTERM last (Python takes SIGINT at start)
+            assert p.poll() is None, p.stderr.read()
+            time.sleep(0.001)
+        os.killpg(p.pid, sig)
+        _, stderr = p.communicate(timeout=60)
+        assert p.returncode == code, (sig, p.returncode, stderr[-2000:])
+        assert stderr.strip().splitlines() == ["vx: interrupted; rerun the same command to continue"], stderr[-2000:]
+        assert not out.exists()
