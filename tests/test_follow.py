@@ -169,7 +169,7 @@ def test_train_while_extracting_to_s3_exactly_once_through_kills_with_bounded_st
     os.environ.update(CREDS)
     server, url, client = start_s3(free_port())
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    n = 2000
+    n = 1000
     data = write_jsonl(tmp_path / "d.jsonl", chats(n, seed=1))
     shard_mb, retain_gb = 0.25, 0.01  # 10 MB: ~40 shards of ~0.25 MB, 20 per writer
     extract = [sys.executable, "-m", "vx", "extract", str(data), "-o", "s3://vx-out/run", "--endpoint-url", url,
