@@ -222,9 +222,13 @@ class EngineWatch:
                 self._wake()
 
     def _scan_workers(self) -> None:
+        """The cores' own children titled as vLLM workers. Not their descendants: a process a
+        worker forks carries the worker's title until it execs (a tensor-parallel run's rerun
+        once took such a short-lived child for a worker, then its exit for the worker's death)."""
         for core in list(self._cores):
             for pid, start in descendants(core).items():
-                if pid not in self._workers and _title(pid).startswith(WORKER_TITLE):
+                if pid not in self._workers and _title(pid).startswith(WORKER_TITLE) and \
+                        (st := _stat(pid)) is not None and st[0] == core:
                     self._workers[pid] = start
 
     @staticmethod
