@@ -55,8 +55,10 @@ def test_two_tensor_parallel_engines_survive_a_killed_engine_and_give_the_single
     launcher: a worker that exits non-zero; test_regen_partitions kills one.) One test for both
     dimensions: on CPU an engine's start is most of a run of these 64 samples."""
     out = tmp_path / "dp"
+    # a 1,024-token step: the warm-up's dummy prefills go up to one step (16,384 tokens by default
+    # on CPU, more than this run's data), and here 4 ranks of 2 engines share one core
     args = (CHAT, "-o", str(out), "--backend", "vllm", "--dp", "2", "--tensor-parallel-size", "2", "--max-num-seqs",
-            "4", "--shard-size", "0.5")
+            "4", "--max-num-batched-tokens", "1024", "--shard-size", "0.5")
     r, _ = extract(*args, env={"VX_FAULT": "engine-sample:6", "VX_FAULT_PARTITION": "1"})
     assert r.returncode == 1 and "1 of 2 partitions failed: partition 1 (exit 3" in r.stderr, r.stderr[-2000:]
     assert re.search(r"the vLLM engine \(pid \d+\) died: killed by SIGKILL", r.stderr), r.stderr[-2000:]

@@ -46,8 +46,8 @@ def test_selftest_of_a_vl_layout_checkpoint_fails_naming_sample_and_layer_when_a
 def test_extract_verify_fails_under_the_same_failpoint(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text("".join(open(ROOT / "examples" / "chat.jsonl").readlines()[:16]))
-    r = vx_cmd("extract", str(data), "-o", str(tmp_path / "out"), "--verify", "8",
-               env={"VX_FAULT": "corrupt-layer:2"})
+    r = vx_cmd("extract", str(data), "-o", str(tmp_path / "out"), "--verify", "8", "--max-num-batched-tokens", "512",
+               env={"VX_FAULT": "corrupt-layer:2"})  # a small step: the warm-up prefills up to one step
     assert r.returncode == 1, r.stdout + r.stderr[-2000:]
     assert "verify       MISMATCH" in r.stdout
     err = r.stderr.strip().splitlines()[-1]
