@@ -89,15 +89,18 @@ def mark_driver() -> None:
     os.environ[DRIVER_ENV] = f"{os.getpid()}:{_stat(os.getpid())[2]}"
 
 
+def _driver_gone(mark: str) -> bool:
+    """Whether the driver a VX_DRIVER mark names has died (gone, a zombie, or its pid reused)."""
+    pid, start = map(int, mark.split(":"))
+    st = _stat(pid)
+    return st is None or st[1] == "Z" or st[2] != start
+
+
 def require_driver() -> None:
     """In an engine process, before a commit: if the driver is gone, exit instead of committing
     (the reaper kills this process within a tick anyway; this closes that window)."""
     mark = os.environ.get(DRIVER_ENV)
-    if not mark:
-        return
-    pid, start = map(int, mark.split(":"))
-    st = _stat(pid)
-    if st is None or st[1] == "Z" or st[2] != start:
+    if mark and _driver_gone(mark):
         os._exit(1)
 
 
@@ -118,15 +121,11 @@ def watch_driver(period_s: float = WATCH_S) -> bool:
         return False
     if _watching:
         return True
-    pid, start = map(int, mark.split(":"))
     core = os.getppid()
 
     def watch() -> None:
-        while True:
+        while not _driver_gone(mark):
             time.sleep(period_s)
-            st = _stat(pid)
-            if st is None or st[1] == "Z" or st[2] != start:
-                break
         try:
             environ = Path(f"/proc/{core}/environ").read_bytes().split(b"\0")
             if f"{DRIVER_ENV}={mark}".encode() in environ:
