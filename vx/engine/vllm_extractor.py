@@ -32,6 +32,7 @@ from vx.engine.vllm_engine import (
     stop_engine,
     tokens_input,
     warm_up,
+    warms_buckets,
 )
 from vx.errors import EngineDied, UsageError, VxError
 
@@ -83,6 +84,7 @@ class VllmExtractor:
         self.max_num_batched_tokens = config.scheduler_config.max_num_batched_tokens
         self.max_model_len = config.model_config.max_model_len
         self.enforce_eager = config.model_config.enforce_eager
+        self.device_type = config.device_config.device_type
         self.cache_dtype = config.model_config.dtype  # the hidden-state cache holds the model's dtype
 
     @staticmethod
@@ -92,7 +94,8 @@ class VllmExtractor:
         return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, extra_args={"vx_warmup": 1})
 
     def warm_up(self) -> float:
-        return warm_up(self.engine, self.max_num_batched_tokens, self.max_model_len, self._warmup_params())
+        return warm_up(self.engine, self.max_num_batched_tokens, self.max_model_len, self._warmup_params(),
+                       buckets=warms_buckets(self.device_type, self.enforce_eager))
 
     def run(self, samples: Iterable[Sample], out_dir: Path, shard_meta: dict, shard_bytes: int, next_shard: int,
             hidden_size: int, store_dtype: str, max_local_bytes: int | None = None, compress: str | None = None,

@@ -232,6 +232,7 @@ def _run_bare(model_dir, samples, work: Path, common: dict) -> float:
         stop_engine,
         tokens_input,
         warm_up,
+        warms_buckets,
     )
 
     on_cpu = engine_env(common["tensor_parallel_size"])
@@ -247,7 +248,8 @@ def _run_bare(model_dir, samples, work: Path, common: dict) -> float:
         engine = watch.guard(llm.llm_engine)
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         try:
-            warm_up(engine, common["max_num_batched_tokens"], common["max_model_len"], params)
+            warm_up(engine, common["max_num_batched_tokens"], common["max_model_len"], params,
+                    buckets=warms_buckets("cpu" if on_cpu else "cuda", kwargs["enforce_eager"]))
             t = time.perf_counter()
             for i, s in enumerate(samples):
                 engine.add_request(f"bare-{i}", tokens_input(prompt_ids(s)), params)
