@@ -30,8 +30,9 @@ if _WORKER.startswith("gw") and hasattr(os, "sched_setaffinity"):
 GROUPS = {"test_cli": "chat-vllm-run", "test_first_run": "chat-vllm-run", "test_scale_out": "chat-vllm-run",
           "test_ray": "ray", "test_regen_partitions": "ray"}  # one local Ray cluster at a time
 # the longest groups start first, so that no worker is left with one at the end
-FIRST = ["chat-vllm-run", "ray", "test_engine_lifetime", "test_fault_campaign", "test_readme_promises",
-         "test_regenerate", "test_s3", "test_follow", "test_selftest"]
+FIRST = ["chat-vllm-run", "ray", "test_fault_campaign", "test_engine_lifetime", "test_follow", "test_vllm_backend",
+         "test_regenerate", "test_selftest", "test_readme_promises", "test_s3", "test_one_pass", "test_monitoring",
+         "test_dataset_fuzz", "test_speculators"]  # by their times in a full run, longest first
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the groups into node ids: after it,

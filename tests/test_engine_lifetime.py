@@ -165,8 +165,8 @@ def test_a_run_killed_or_stopped_every_way_leaves_no_process_and_one_rerun_gives
 def engine_deaths(out: Path, cache: Path) -> None:
     """The engine core dies under a live driver, four ways, on the output of the runs above."""
     manifest = out / "manifest.jsonl"
-    # SIGKILL of the engine core at its 2nd step: in warm-up, before any sample
-    p = start(out, cache, fault="engine-step:2")
+    # SIGKILL of the engine core at its first step: the warm-up's, before any sample
+    p = start(out, cache, fault="engine-step:1")
     exited, last_alive, stderr = follow(p)
     assert p.returncode == 3, stderr[-3000:]
     assert_one_line(stderr)

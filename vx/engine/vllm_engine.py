@@ -107,10 +107,10 @@ def warm_up(engine, step_tokens: int, max_model_len: int, params, buckets: bool 
 
 def warms_buckets(device_type: str, enforce_eager: bool) -> bool:
     """Whether a warm-up must sweep the step's token-count buckets. A compiled engine builds a
-    graph per bucket and a GPU's Triton kernels (the GDN layers' included, eager or not) autotune
-    per shape, both on first use; an eager engine on CPU runs vLLM's C++ kernels and oneDNN, which
-    build nothing per bucket, so its sweep only costs time (the README's first job on 2 cores:
-    24 s of warm-up before a 26 s extraction, measured)."""
+    graph per bucket, and a GPU's Triton kernels (the GDN layers', eager or not) compile and
+    autotune on first use, specialised on their size arguments. An eager engine on CPU runs
+    vLLM's C++ kernels and oneDNN, which build nothing per bucket, so its sweep only costs time
+    (the README's first job on 2 cores: 24 s of warm-up before a 26 s extraction, measured)."""
     return not (device_type == "cpu" and enforce_eager)
 
 
