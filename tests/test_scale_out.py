@@ -83,17 +83,16 @@ def test_two_tensor_parallel_engines_survive_a_killed_engine_and_give_the_single
     assert verify.returncode == 0 and json.loads(verify.stdout)["ok"], verify.stdout
 
 
-def test_static_partitions_run_separately_and_resume_each_on_its_own(tmp_path, tiny_model):
-    out, single = tmp_path / "parts", tmp_path / "single"
+def test_static_partitions_run_separately_and_resume_each_on_its_own(tmp_path, single_vllm):
+    out = tmp_path / "parts"
     base = (CHAT, "-o", str(out), "--backend", "hf", "--num-partitions", "3")
     for i in (2, 0, 1):  # any order, any machine
         r, s = extract(*base, "--partition-index", str(i))
         assert r.returncode == 0 and s["samples"] > 0, r.stderr[-2000:]
     r, s = extract(*base, "--partition-index", "1")
     assert r.returncode == 0 and s["samples"] == 0 and s["resumed_samples"] > 0
-    r, _ = extract(CHAT, "-o", str(single), "--backend", "hf")
-    assert r.returncode == 0
-    assert_same_dataset(vx.open_dataset(out), vx.open_dataset(single), states=False)
+    # the single process's ids, tokens and masks (the backends' are equal: test_cli)
+    assert_same_dataset(vx.open_dataset(out), single_vllm, states=False)
 
 
 def test_a_run_with_another_partition_count_skips_what_any_partition_committed(tmp_path, tiny_model):
