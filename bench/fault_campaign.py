@@ -16,9 +16,10 @@ engine core, to one partition worker) at a random moment. Some trials fault the 
 its end and bench/fault_checks.py checks: every sample committed exactly once; every committed
 shard's size and CRC64-NVME (computed here); every stored row within cosine 0.99 of a clean run's,
 its input ids equal; S3's listing equals the manifests' undropped shards, no multipart upload left
-open, staging empty; no temp files; no process of a driver outlives it by 30 s; every faulted run
-ends by itself (a stall included) with no traceback, a signalled one within 60 s of the signal;
-the follow reader saw every sample once; regenerated conversations once each.
+open, staging empty; no temp files; no process of a run (found by a mark in its environment)
+outlives its driver by 30 s; every faulted run ends by itself (a stall included) with no
+traceback, a signalled one within 60 s of the signal; the follow reader saw every sample once;
+regenerated conversations once each.
 
 The tally (trials, faults fired, failpoints reached, invariants checked, violations with their
 trial's seed) goes to bench/results/fault_campaign-<machine>-<time>.json.
@@ -334,7 +335,11 @@ class Campaign:
                                 stdout=open(tdir / "reader.log", "w"), stderr=subprocess.STDOUT)
 
     def run_once(self, t: dict, out, fault: dict | None, log: Path, trace: Path) -> dict:
-        extra = {"VX_FAULT_TRACE": str(trace)}
+        # every process of this run, found by a mark vx does not set: its launcher's partition
+        # workers and their engines included (VX_DRIVER names only the process that owns an engine)
+        run_id = f"{log.parent.name}-{log.stem}-{time.monotonic_ns()}"
+        tag = f"VX_CAMPAIGN_RUN={run_id}".encode()
+        extra = {"VX_FAULT_TRACE": str(trace), "VX_CAMPAIGN_RUN": run_id}
         if t["sink"] == "s3-multipart":
             extra["VX_S3_PART_MB"] = "5"
         if fault and fault["kind"] == "point":
@@ -347,7 +352,7 @@ class Campaign:
             when = t0 + fault["at"] * self.estimate(t)
             while p.poll() is None and time.monotonic() < when:
                 time.sleep(0.05)
-            pid = self.target_pid(p, fault["target"]) if p.poll() is None else None
+            pid = self.target_pid(p, fault["target"], tag) if p.poll() is None else None
             # a signal before the driver took the signals (vx/__main__.py does so first thing,
             # SIGTERM last) meets the interpreter's own start-up: the kernel's default action for
             # SIGTERM, Python's for SIGINT (a KeyboardInterrupt or a fatal error out of its init)
@@ -367,10 +372,10 @@ class Campaign:
             os.killpg(p.pid, signal.SIGKILL)
             rc = p.wait()
         ended = time.monotonic()
-        left = procfs.processes_of(p.pid)
+        left = procfs.tagged(tag)
         while left and time.monotonic() - ended < ORPHAN_S:
             time.sleep(0.2)
-            left = procfs.processes_of(p.pid)
+            left = procfs.tagged(tag)
         for pid in left:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -398,12 +403,12 @@ class Campaign:
                 "before_start": bool(before_start),
                 "violations": bad}
 
-    def target_pid(self, p: subprocess.Popen, target: str) -> int | None:
+    def target_pid(self, p: subprocess.Popen, target: str, tag: bytes) -> int | None:
         if target in ("driver", "group"):
             return p.pid
         deadline = time.monotonic() + 60  # the engine or worker may still be starting
         while p.poll() is None and time.monotonic() < deadline:
-            kids = procfs.processes_of(p.pid)
+            kids = procfs.tagged(tag)
             if target == "engine":
                 found = [k for k in kids if procfs.cmdline(k).startswith(b"VLLM::EngineCore")]
             else:

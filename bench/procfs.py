@@ -54,6 +54,13 @@ def processes_of(driver_pid: int) -> list[int]:
     return [p for p in pids() if any(item.startswith(mark) for item in environ(p).split(b"\0")) and alive(p)]
 
 
+def tagged(item: bytes) -> list[int]:
+    """Live processes whose environment holds item (b"NAME=value"), set by whoever started the
+    first of them: every descendant inherits it, whichever process of vx marks what (a --dp
+    launcher's partition workers and their engines carry no VX_DRIVER of the launcher's)."""
+    return [p for p in pids() if item in environ(p).split(b"\0") and alive(p)]
+
+
 def catches(pid: int, sig: int) -> bool:
     """Whether the process has a handler for sig now (the SigCgt mask of /proc/PID/status)."""
     for line in _read(pid, "status").decode(errors="replace").splitlines():
