@@ -11,7 +11,7 @@ import typer
 
 from vx.cli import bench, export, extract, inspect, regenerate, selftest, verify  # noqa: F401  (register the commands)
 from vx.cli.app import app
-from vx.errors import run_guarded
+from vx.errors import leave, run_guarded
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,7 +33,7 @@ def entry() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(rc)
-    sys.exit(rc)
+    leave(rc)
 
 
 def _late_signal(signum, frame) -> None:

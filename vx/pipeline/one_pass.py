@@ -212,4 +212,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from vx.errors import leave
+
+    leave(main(sys.argv[1:]))

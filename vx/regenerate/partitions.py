@@ -121,4 +121,6 @@ def worker_main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(worker_main(sys.argv[1:]))
+    from vx.errors import leave
+
+    leave(worker_main(sys.argv[1:]))
