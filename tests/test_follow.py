@@ -122,6 +122,39 @@ def test_a_retain_bound_smaller_than_a_window_is_named_instead_of_a_silent_deadl
         ex.wait()
 
 
+def test_a_failed_partition_under_a_retain_bound_stops_the_others_and_the_rerun_streams_every_sample_once(tmp_path,
+                                                                                                        tiny_model):
+    """The fault campaign's trial 36 of seed 49 (--dp 2 --retain-gb, a follow reader, SIGTERM to
+    one partition worker): the launcher waited for the other partition, whose writer waited at its
+    bound for readers that wait for the failed partition's next shard: no end. Now the others are
+    stopped as Ctrl-C stops them (committed shards kept), the run ends with one line naming both,
+    and the same command with a reader finishes it: every sample once."""
+    data = write_jsonl(tmp_path / "d.jsonl", chats(120))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "vx", "extract", str(data), "-o", str(out), "--backend", "hf", "--dp", "2",
+           "--layers", LAYERS, "--shard-size", "0.03", "--retain-gb", "0.0003", "--json"]
+    env = dict(os.environ, VX_FAULT="after-manifest:1", VX_FAULT_PARTITION="0")  # killed after its first commit
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 1, r.stderr[-3000:]
+    line = r.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in r.stderr and line.startswith("vx: error: 2 of 2 partitions failed"), r.stderr[-3000:]
+    assert "partition 0 (exit -9" in line and "partition 1 (stopped: under --retain-gb" in line, line
+    assert "rerun the same command" in line
+
+    again = run_bg(cmd, dict(os.environ), tmp_path / "rerun.log")
+    seen = collections.Counter()
+    try:
+        ld = vx.loader(str(out), 400, follow=True, shuffle_shards=2, follow_timeout=600)
+        for b in ld:
+            seen.update(s for s in b["sample_ids"] if not b["padding"])
+            ld.commit(ld.state_dict())  # what the writers wait for under the bound
+        assert again.wait(timeout=600) == 0, (tmp_path / "rerun.log").read_text()[-3000:]
+    finally:
+        if again.poll() is None:
+            os.killpg(again.pid, signal.SIGKILL)
+    assert sorted(seen) == sorted(f"c{i}" for i in range(120)) and max(seen.values()) == 1
+
+
 def run_bg(args, env, log):
     return subprocess.Popen(args, cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)

@@ -74,8 +74,12 @@ def run_data_parallel(cfg: ExtractConfig, progress: bool | None = None):
     t_start = time.perf_counter()
     state = "failed"
     try:
+        # under --retain-gb a writer waits for readers to consume its shards, and a reader following
+        # the run waits for the failed partition's next ones: the others would wait for good
+        stop = "under --retain-gb its writer would wait for readers that wait for the failed partition" \
+            if cfg.retain_gb else None
         results, failed = run_workers(cfg.num_partitions, slots, lambda index, slot_env, events: _start(
-            cfg, index, slot_env, plan_file, cpu_share, logs, events), Tally(bar, metrics))
+            cfg, index, slot_env, plan_file, cpu_share, logs, events), Tally(bar, metrics), stop)
         state = "failed" if failed else "done"
     finally:
         bar.close(state)

@@ -120,11 +120,14 @@ class Tally:
         self.shown = (max(s, self.shown[0]), max(t, self.shown[1]), max(k, self.shown[2]))
 
 
-def run_workers(count: int, slots: list[dict], start, tally: Tally) -> tuple[dict[int, dict], dict[int, str]]:
+def run_workers(count: int, slots: list[dict], start, tally: Tally,
+                stop_others: str | None = None) -> tuple[dict[int, dict], dict[int, str]]:
     """Keep every slot busy with the next of `count` partitions until all ran. start(index,
     slot_env, events) spawns one worker and returns (proc, index, start time, log, reader); its
     events go to `events` as (index, rec). Returns (summary and timing of each partition that
-    finished, reason of each that failed); on an exception every running worker is killed."""
+    finished, reason of each that failed); on an exception every running worker is killed.
+    A failed partition leaves the others to finish their work, unless stop_others (why) is given:
+    then they are stopped as Ctrl-C stops a run (committed work kept) and none is started."""
     events: queue.Queue = queue.Queue()
     todo = list(range(count))
     running: dict[int, tuple] = {}  # slot -> (proc, partition, start, log, stdout reader)
@@ -145,6 +148,11 @@ def run_workers(count: int, slots: list[dict], start, tally: Tally) -> tuple[dic
                 _drain(events, tally, results)
                 if proc.returncode != 0 or index not in results:
                     failed[index] = f"exit {proc.returncode}, log {log}: {last_line(log)}"
+                    if stop_others and (running or todo):
+                        _stop_all(running, events, tally, results, failed, t_start, stop_others)
+                        failed.update((i, f"not started: {stop_others}") for i in todo)
+                        todo.clear()
+                        break  # every other worker is reaped
                 else:
                     results[index].update(finished_s=round(time.perf_counter() - t_start, 2),
                                           wall_s=round(time.perf_counter() - started, 2))
@@ -154,6 +162,31 @@ def run_workers(count: int, slots: list[dict], start, tally: Tally) -> tuple[dic
             reap_worker(proc, reader, kill=True)
         raise
     return results, failed
+
+
+def _stop_all(running: dict, events: queue.Queue, tally: Tally, results: dict, failed: dict, t_start: float,
+              why: str) -> None:
+    """SIGTERM to each running worker (its run ends as on Ctrl-C: committed shards kept, its engine
+    stopped), then each is reaped; one that finished meanwhile counts as finished."""
+    for proc, *_ in running.values():
+        try:
+            proc.send_signal(signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    for slot, (proc, index, started, log, reader) in list(running.items()):
+        del running[slot]
+        try:
+            proc.wait(timeout=GROUP_EXIT_S)
+        except subprocess.TimeoutExpired:
+            pass
+        reap_worker(proc, reader, kill=proc.poll() is None)
+        _drain(events, tally, results)
+        if proc.returncode == 0 and index in results:
+            results[index].update(finished_s=round(time.perf_counter() - t_start, 2),
+                                  wall_s=round(time.perf_counter() - started, 2))
+        else:
+            results.pop(index, None)
+            failed[index] = f"stopped: {why}"
 
 
 def _drain(events: queue.Queue, tally: Tally, results: dict) -> None:
