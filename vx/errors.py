@@ -61,6 +61,12 @@ def _on_sigterm(signum, frame):
     raise Terminated()
 
 
+def stop_requested() -> bool:
+    """Whether SIGTERM or Ctrl-C reached this process: a job whose step came back normally anyway
+    (a library caught what the handler raised) stops there instead of going on."""
+    return _terminated or _sigint
+
+
 def _on_sigint(signum, frame):
     global _sigint
     _sigint = True

@@ -7,7 +7,8 @@ once; then it keeps N worker processes busy (vx/launch/workers.py), each running
 parallel inside the group) or, on CPU, its own cores. A worker is a plain `run_extract` of one
 partition: its own shard sequence and manifest under OUT/part-i-of-P/, its own S3 prefix, its own
 resume. Workers report progress as JSON lines on stdout; their logs go to OUT/logs/. A dead
-worker is reported when the others are done; rerunning the same command redoes only what no
+worker is reported when the others are done (under --retain-gb the others are stopped at once:
+they would wait for readers that wait for it); rerunning the same command redoes only what no
 manifest records.
 """
 
