@@ -154,8 +154,7 @@ def run_workers(count: int, slots: list[dict], start, tally: Tally,
                         todo.clear()
                         break  # every other worker is reaped
                 else:
-                    results[index].update(finished_s=round(time.perf_counter() - t_start, 2),
-                                          wall_s=round(time.perf_counter() - started, 2))
+                    _timed(results[index], t_start, started)
             time.sleep(0.1)
     except BaseException:
         for proc, _, _, _, reader in running.values():
@@ -182,11 +181,15 @@ def _stop_all(running: dict, events: queue.Queue, tally: Tally, results: dict, f
         reap_worker(proc, reader, kill=proc.poll() is None)
         _drain(events, tally, results)
         if proc.returncode == 0 and index in results:
-            results[index].update(finished_s=round(time.perf_counter() - t_start, 2),
-                                  wall_s=round(time.perf_counter() - started, 2))
+            _timed(results[index], t_start, started)
         else:
             results.pop(index, None)
             failed[index] = f"stopped: {why}"
+
+
+def _timed(result: dict, t_start: float, started: float) -> None:
+    """A finished partition's finish time in the run and its own wall time."""
+    result.update(finished_s=round(time.perf_counter() - t_start, 2), wall_s=round(time.perf_counter() - started, 2))
 
 
 def _drain(events: queue.Queue, tally: Tally, results: dict) -> None:
