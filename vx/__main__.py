@@ -16,6 +16,9 @@ def _before_start(signum, frame) -> None:
 def run() -> None:
     signal.signal(signal.SIGINT, _before_start)
     signal.signal(signal.SIGTERM, _before_start)  # last: caught SIGTERM means both are vx's
+    from vx.errors import quiet_startup
+
+    quiet_startup()
     from vx.cli import entry
 
     entry()

@@ -17,7 +17,7 @@ import torch
 
 from vx.data.samples import Sample
 from vx.device import cuda_available
-from vx.errors import UsageError
+from vx.errors import UsageError, startup_over
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -80,6 +80,7 @@ def load_hf_model(path, dtype: str = "auto", device: str | None = None):
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_DTYPES.get(dtype, "auto"),
                                                  device_map=device if device != "cpu" else None)
     model.config.use_cache = False
+    startup_over()  # the model is loaded: a vx process's start-up is over (vx.errors.quiet_startup)
     return model.eval()
 
 

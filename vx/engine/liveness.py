@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from vx.engine.reaper import _stat, descendants
-from vx.errors import EngineDied, exit_now
+from vx.errors import EngineDied, exit_now, startup_over
 
 WAKE = signal.SIGUSR2   # unused by vLLM, torch and Python's runtime
 TICK_S = 0.1
@@ -266,6 +266,7 @@ def start_watched(make, kept: str = KEPT):
         watch.close()
         raise
     watch.attach(llm)
+    startup_over()  # the engine is up: this process's start-up is over (vx.errors.quiet_startup)
     return llm, watch
 
 

@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-from vx.errors import VxError
+from vx.errors import VxError, startup_over
 from vx.monitor.progress import RunProgress
 
 GROUP_EXIT_S = 30.0  # a finished worker's engine processes get this long after SIGTERM, then SIGKILL
@@ -128,6 +128,7 @@ def run_workers(count: int, slots: list[dict], start, tally: Tally,
     finished, reason of each that failed); on an exception every running worker is killed.
     A failed partition leaves the others to finish their work, unless stop_others (why) is given:
     then they are stopped as Ctrl-C stops a run (committed work kept) and none is started."""
+    startup_over()  # this process loads no engine: its start-up is over (vx.errors.quiet_startup)
     events: queue.Queue = queue.Queue()
     todo = list(range(count))
     running: dict[int, tuple] = {}  # slot -> (proc, partition, start, log, stdout reader)
@@ -230,8 +231,10 @@ def run_partition_worker(argv: list[str], run) -> int:
     """The body of a partition worker process (`python -m MODULE CONFIG_JSON`): dies with its
     launcher, keeps to its cores, and reports progress and the summary that run(config dict,
     reporter) returns as JSON lines on stdout; errors map to exit codes as in the CLI."""
-    from vx.errors import run_guarded
+    from vx.errors import quiet_startup, run_guarded
     from vx.monitor.progress import EventProgress
+
+    quiet_startup()
 
     d = json.loads(argv[0])
     _die_with_parent()
