@@ -60,7 +60,8 @@ MULTIPART = ["upload-part", "before-multipart-complete"]
 REGEN = ["after-chunk", "before-chunk-fsync", "before-committed-mark"]
 ACTIONS = ["kill"] * 6 + ["eio"] * 2 + ["enospc"] + ["stall"]
 SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM, "INT": signal.SIGINT}
-# 0: it ended before the signal landed; -15 / -2: it landed in the interpreter's last teardown, after
+# 0: it had printed its result before the signal was sent (a 0 without it: the signal was swallowed,
+# as vLLM's engine start-up did until vx took it up); -15 / -2: it landed in the interpreter's last teardown, after
 # Python gave the signals back to their default action: the shell's $? is 143 / 130 all the same
 EXPECTED_RC = {"KILL": (-9,), "TERM": (143, -15, 0), "INT": (130, -2, 0)}
 SIGNAL_EXIT_S, ORPHAN_S, RUN_S = 60.0, 30.0, 900.0
@@ -347,7 +348,7 @@ class Campaign:
         t0 = time.monotonic()
         p = subprocess.Popen(self.command(t, out), env=self.env(extra), cwd=ROOT, start_new_session=True,
                              stdout=open(log.with_suffix(".out"), "w"), stderr=open(log.with_suffix(".err"), "w"))
-        sent, unhandled = None, False
+        sent, unhandled, done = None, False, False
         if fault and fault["kind"] == "signal":
             when = t0 + fault["at"] * self.estimate(t)
             while p.poll() is None and time.monotonic() < when:
@@ -357,6 +358,7 @@ class Campaign:
             # SIGTERM last) meets the interpreter's own start-up: the kernel's default action for
             # SIGTERM, Python's for SIGINT (a KeyboardInterrupt or a fatal error out of its init)
             unhandled = pid is not None and not procfs.catches(p.pid, signal.SIGTERM)
+            done = log.with_suffix(".out").stat().st_size > 0  # its result printed: its work is over
             if pid is not None:
                 try:
                     os.killpg(pid, SIGNALS[fault["sig"]]) if fault["target"] == "group" else \
@@ -391,6 +393,9 @@ class Campaign:
         if sent and fault["target"] in ("driver", "group") and not hung and not before_start and \
                 rc not in EXPECTED_RC[fault["sig"]]:
             bad.append(f"SIG{fault['sig']} to the {fault['target']}: exit code {rc}, not {EXPECTED_RC[fault['sig']]}")
+        elif sent and fault["target"] in ("driver", "group") and fault["sig"] != "KILL" and rc == 0 and not done:
+            bad.append(f"SIG{fault['sig']} to the {fault['target']} before its result: exit code 0 (the signal was "
+                       "swallowed and the run went on)")
         if "Traceback" in stderr and not before_start:
             bad.append(f"{what} printed a traceback: {stderr[-1500:]}")
         last = ([x for x in stderr.splitlines() if x.strip()] or [""])[-1]

@@ -53,6 +53,13 @@ REGRESSIONS = [
     # now stopped with it. Two engines: test_follow's failed-partition test is its regression in CI
     {"mode": "extract-hf", "sink": "local", "dp": 2, "follow": True, "retain": True, "index": 36, "seed": 49,
      "fault": {"kind": "signal", "target": "worker", "sig": "TERM", "at": 0.1835671333386726}},
+    # SIGTERM to the one-pass driver as its capture engine started came back as the capture's
+    # normal end (vLLM's engine start-up swallows KeyboardInterrupt: vx.engine.liveness.start_watched):
+    # the driver released the held regeneration and waited on it (no exit in 60 s). Two engines,
+    # and a moment a random draw hits only sometimes: test_one_pass's first run signals at that
+    # moment, its regression in CI
+    {"mode": "one-pass", "sink": "local", "dp": 1, "follow": False, "retain": False, "index": 119, "seed": 50,
+     "fault": {"kind": "signal", "target": "driver", "sig": "TERM", "at": 0.24199639575850596}},
 ]
 
 
@@ -93,7 +100,7 @@ def test_a_fault_at_every_durable_step_then_a_rerun_loses_nothing(tmp_path, tiny
     signals = [i for i, item in enumerate(cover) if item[0] == "signal" and item[1] in ("driver", "group")]
     trials = paired([campaign.draw(SEED, i, modes) for i in points]) + [inside(campaign.draw(SEED, i, modes))
                                                                         for i in signals]
-    regressions = [t for t in REGRESSIONS if t["dp"] == 1]
+    regressions = [t for t in REGRESSIONS if t["dp"] == 1 and t["mode"] == "extract-hf"]
     lines = []
     t = campaign.run_campaign(0, SEED, tmp_path, modes, only=[], extra=trials + regressions, log=lines.append)
     print("\n".join(lines))

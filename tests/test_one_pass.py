@@ -1,5 +1,6 @@
 """`vx extract DATA -o OUT --regenerate`: the target writes the assistant turns and the states of
-the regenerated conversations are captured in the same run, exactly once across a kill -9.
+the regenerated conversations are captured in the same run, exactly once across a SIGTERM as its
+engines start and a kill -9 mid-run.
 
 Held against what is independent of vx's code: the conversations the run wrote, rendered by the
 tokenizer's own chat template (transformers' apply_chat_template) for the stored ids, and an fp32
@@ -19,6 +20,8 @@ import torch
 import vx
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import procfs  # noqa: E402
 LAYERS = [1, 3, 5]
 
 
@@ -32,10 +35,39 @@ def committed_lines(path: Path) -> int:
     return sum(1 for line in path.read_bytes().split(b"\n") if line.strip()) if path.exists() else 0
 
 
-def test_a_kill_9_mid_run_then_a_rerun_leaves_every_conversation_once_with_its_own_states(tmp_path, tiny_model,
-                                                                                          tokenizer, fp32_model):
+def sigterm_as_the_capture_engine_starts(out: Path) -> None:
+    """The fault campaign's trial 119 (seed 50): SIGTERM to the driver as its own engine core
+    (the capture's) appears, beside the held regeneration's. It came back as the capture's normal
+    end and the driver released the regeneration and waited on it (> 60 s). Now: exit 143 and
+    one line within 60 s, and every process of the run gone."""
+    tag = f"VX_TEST_RUN={out.parent.name}-{time.monotonic_ns()}"
+    env = dict(os.environ, **dict([tag.split("=", 1)]))
+    p = subprocess.Popen(one_pass(out), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True, env=env)
+    deadline = time.monotonic() + 900  # two engines start on a loaded machine: wait for the event
+    while p.poll() is None and time.monotonic() < deadline and not any(
+            procfs.cmdline(c).startswith(b"VLLM::EngineCore") for c in procfs.children(p.pid)):
+        time.sleep(0.02)
+    assert p.poll() is None, p.communicate()[1][-3000:]
+    os.kill(p.pid, signal.SIGTERM)
+    sent = time.monotonic()
+    try:
+        _, stderr = p.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        raise AssertionError("the one-pass driver did not exit within 60 s of SIGTERM")
+    assert p.returncode == 143 and "Traceback" not in stderr, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == "vx: interrupted; rerun the same command to continue", stderr[-3000:]
+    while procfs.tagged(tag.encode()):  # the regeneration's process and both engines
+        assert time.monotonic() - sent < 90, f"left running: {procfs.tagged(tag.encode())}"
+        time.sleep(0.2)
+
+
+def test_sigterm_as_the_engine_starts_then_a_kill_9_mid_run_then_a_rerun_leave_every_conversation_once(
+        tmp_path, tiny_model, tokenizer, fp32_model):
     out = tmp_path / "out"
     manifest, regen = out / "manifest.jsonl", out / "regenerated.jsonl"
+    sigterm_as_the_capture_engine_starts(out)
     # the first run as on a GPU: the capture follows the regeneration (here on halves of the cores),
     # so the kill lands with both mid-run; the rerun as on CPU: the capture after the regeneration
     following = dict(os.environ, VX_ONE_PASS_CORES="split")

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from vx.engine.reaper import _stat, descendants
-from vx.errors import EngineDied, exit_now, startup_over
+from vx.errors import EngineDied, exit_now, startup_over, stop_requested
 
 WAKE = signal.SIGUSR2   # unused by vLLM, torch and Python's runtime
 TICK_S = 0.1
@@ -257,7 +257,10 @@ class EngineWatch:
 
 
 def start_watched(make, kept: str = KEPT):
-    """(make()'s LLM, its EngineWatch): the watch begins before the engine's processes start."""
+    """(make()'s LLM, its EngineWatch): the watch begins before the engine's processes start.
+    vLLM (0.32, 0.33) waits for its engines' handshake in `zmq_socket_ctx`, which returns on a
+    KeyboardInterrupt: Ctrl-C or SIGTERM as the engine started came back as an engine started and
+    the run went on (campaign seed 50, trial 119). Here the engine stops and the stop goes on up."""
     watch = EngineWatch.begin(kept=kept)
     try:
         with watch.call("start"):
@@ -265,6 +268,12 @@ def start_watched(make, kept: str = KEPT):
     except BaseException:
         watch.close()
         raise
+    if stop_requested():
+        from vx.engine.vllm_engine import stop_engine
+
+        with contextlib.suppress(Exception):
+            stop_engine(llm.llm_engine, watch)
+        raise KeyboardInterrupt
     watch.attach(llm)
     startup_over()  # the engine is up: this process's start-up is over (vx.errors.quiet_startup)
     return llm, watch

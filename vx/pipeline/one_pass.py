@@ -172,9 +172,8 @@ def run_one_pass(cfg, progress: bool | None = None):
         s = run_extract(replace(cfg, data=str(out / REGENERATED), regenerate=False, warm_up=not after_end,
                                 max_model_len=cfg.max_model_len + TAIL), progress=progress, source=source,
                         started=regen.release)  # a held regeneration generates once this engine has started
-        if stop_requested():  # the fault campaign's trial 119 of seed 50: SIGTERM to the driver as its
-            raise KeyboardInterrupt  # engine started came back as the capture's normal end, and the
-            # driver released the held regeneration and waited on it (> 60 s); it stops it now
+        if stop_requested():  # a stop a library swallowed (vLLM's engine start did: liveness.start_watched)
+            raise KeyboardInterrupt  # came back as the capture's end: never release the held regeneration then
         regen.release()  # (a capture with nothing left to do starts no engine)
         regen.wait()  # raises if it failed after its last commit
     finally:
