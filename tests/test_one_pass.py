@@ -47,7 +47,7 @@ def sigterm_as_the_capture_engine_starts(out: Path) -> None:
     deadline = time.monotonic() + 900  # two engines start on a loaded machine: wait for the event
     while p.poll() is None and time.monotonic() < deadline and not any(
             procfs.cmdline(c).startswith(b"VLLM::EngineCore") for c in procfs.children(p.pid)):
-        time.sleep(0.02)
+        time.sleep(0.05)
     assert p.poll() is None, p.communicate()[1][-3000:]
     os.kill(p.pid, signal.SIGTERM)
     sent = time.monotonic()
