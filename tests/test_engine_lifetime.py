@@ -277,3 +277,28 @@ def test_a_signal_as_the_command_starts_is_the_documented_exit_and_one_line(tmp_
         assert p.returncode == code, (sig, p.returncode, stderr[-2000:])
         assert stderr.strip().splitlines() == ["vx: interrupted; rerun the same command to continue"], stderr[-2000:]
         assert not out.exists()
+
+
+def test_a_stop_that_a_finalizer_swallowed_still_stops_the_loop_at_its_next_turn():
+    """The fault campaign's trial 86 of seed 51: SIGINT to a --dp 2 launcher landed while the
+    garbage collector ran a library's `__del__`; Python prints what a finalizer raises as
+    "Exception ignored" with a traceback and goes on, and the run went on to exit 0. Every main
+    loop of vx (the launcher's, the hf batches, the vLLM steps, vx regenerate's) checks for a stop
+    at each turn, and the stop is said in one line."""
+    script = ("import os, signal, sys, time\n"
+              "from vx.errors import raise_if_stopped, run_guarded\n"
+              "class Finalized:\n"
+              "    def __del__(self):  # the handler's KeyboardInterrupt is raised here, and ignored\n"
+              "        os.kill(os.getpid(), signal.SIGINT)\n"
+              "        time.sleep(1)\n"
+              "def body():\n"
+              "    Finalized()\n"
+              "    print('went on', flush=True)\n"
+              "    raise_if_stopped()  # a loop's turn\n"
+              "    print('not stopped', flush=True)\n"
+              "    return 0\n"
+              "sys.exit(run_guarded(body))\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.stdout.splitlines() == ["went on"], r.stdout + r.stderr[-2000:]
+    assert r.returncode == 130 and r.stderr.strip().splitlines() == [
+        "vx: interrupted; rerun the same command to continue"], r.stderr[-2000:]  # one line, no traceback

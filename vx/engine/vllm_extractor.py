@@ -34,7 +34,7 @@ from vx.engine.vllm_engine import (
     warm_up,
     warms_buckets,
 )
-from vx.errors import EngineDied, UsageError, VxError
+from vx.errors import EngineDied, UsageError, VxError, raise_if_stopped
 
 DRAIN_TIMEOUT_S = 600.0  # after the last request finished, the worker must have taken every sample
 FINISH_WHEN_STOPPED_S = 5.0  # Ctrl-C / SIGTERM: the worker may commit its last shard this long
@@ -119,6 +119,7 @@ class VllmExtractor:
         stopped = False
         try:
             while True:
+                raise_if_stopped()
                 if not exhausted and len(in_flight) < cap:
                     new = []
                     while len(in_flight) + len(new) < cap:

@@ -14,7 +14,7 @@ from vx import __version__, faults
 from vx.data.layers import resolve_layer_ids
 from vx.data.model import load_tokenizer, model_info, resolve_model
 from vx.data.samples import BadLine, Sample, Tokenize, read_samples
-from vx.errors import UsageError, VxError
+from vx.errors import UsageError, VxError, raise_if_stopped
 from vx.jobs.config import ExtractConfig
 from vx.jobs.summary import Summary
 from vx.jobs.monitoring import watch_writer
@@ -269,6 +269,7 @@ def _run_hf(cfg, model_dir, layer_ids, tokenizer, samples, writer, bar, t0):
     t1 = time.perf_counter()
     n = tokens = 0
     for batch in length_sorted_batches(samples, cfg.batch_size, cfg.max_batch_tokens, cfg.sort_window):
+        raise_if_stopped()
         for s, h in zip(batch, extractor.extract(batch)):
             writer.add(s.id, s.input_ids, s.loss_mask, h, line=s.line)
         faults.point("after-batch")

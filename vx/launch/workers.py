@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-from vx.errors import VxError, startup_over
+from vx.errors import VxError, raise_if_stopped, startup_over
 from vx.monitor.progress import RunProgress
 
 GROUP_EXIT_S = 30.0  # a finished worker's engine processes get this long after SIGTERM, then SIGKILL
@@ -137,6 +137,7 @@ def run_workers(count: int, slots: list[dict], start, tally: Tally,
     t_start = time.perf_counter()
     try:
         while todo or running:
+            raise_if_stopped()
             for slot in range(len(slots)):
                 if slot not in running and todo:
                     running[slot] = start(todo.pop(0), slots[slot], events)

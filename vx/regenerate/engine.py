@@ -15,6 +15,7 @@ from pathlib import Path
 
 from vx import faults
 from vx.data.chat import tools_of
+from vx.errors import raise_if_stopped
 from vx.regenerate.config import Conversation
 from vx.regenerate.output import sidecar
 
@@ -130,6 +131,7 @@ def generate(cfg, model_dir, tokenizer, chat, separate, first, convs, out, bar, 
         out.commit()  # starts the chunk clock now, not before the engine's start
         more = refill(first)
         while active or more:
+            raise_if_stopped()
             for o in engine.step():
                 if not o.finished:
                     continue
