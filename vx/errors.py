@@ -159,8 +159,8 @@ def startup_over() -> None:
     global _starting
     if _starting:
         _starting = False
-        gc.collect()
-        gc.freeze()
+        gc.collect()  # the start-up's finalizers (__del__) run here: a stop may be swallowed in one, and
+        gc.freeze()  # the caller takes it up (raise_if_stopped)
         gc.enable()
 
 

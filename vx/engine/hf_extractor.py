@@ -17,7 +17,7 @@ import torch
 
 from vx.data.samples import Sample
 from vx.device import cuda_available
-from vx.errors import UsageError, startup_over
+from vx.errors import UsageError, raise_if_stopped, startup_over
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -81,6 +81,7 @@ def load_hf_model(path, dtype: str = "auto", device: str | None = None):
                                                  device_map=device if device != "cpu" else None)
     model.config.use_cache = False
     startup_over()  # the model is loaded: a vx process's start-up is over (vx.errors.quiet_startup)
+    raise_if_stopped()  # a stop its finalizers swallowed
     return model.eval()
 
 

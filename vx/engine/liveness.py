@@ -268,6 +268,7 @@ def start_watched(make, kept: str = KEPT):
     except BaseException:
         watch.close()
         raise
+    startup_over()  # the engine is up: this process's start-up is over (vx.errors.quiet_startup)
     if stop_requested():
         from vx.engine.vllm_engine import stop_engine
 
@@ -275,7 +276,6 @@ def start_watched(make, kept: str = KEPT):
             stop_engine(llm.llm_engine, watch)
         raise KeyboardInterrupt
     watch.attach(llm)
-    startup_over()  # the engine is up: this process's start-up is over (vx.errors.quiet_startup)
     return llm, watch
 
 
