@@ -399,7 +399,8 @@ class Campaign:
         if "Traceback" in stderr and not before_start:
             bad.append(f"{what} printed a traceback: {stderr[-1500:]}")
         last = ([x for x in stderr.splitlines() if x.strip()] or [""])[-1]
-        if not hung and rc not in (0, -9) and not last.startswith("vx") and not before_start:
+        # a signal after its result was printed meets vx's teardown: the signal's exit code, nothing said
+        if not hung and rc not in (0, -9) and not last.startswith("vx") and not before_start and not done:
             bad.append(f"{what} ended {rc} without a one-line error: {stderr[-800:]}")
         if left:
             bad.append(f"processes outlived their driver by {ORPHAN_S:.0f} s: {left}")
