@@ -34,7 +34,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from vx.errors import UsageError, VxError, stop_requested
+from vx.errors import UsageError, VxError, raise_if_stopped
 from vx.pipeline.regeneration import LATER, Regeneration
 
 REGENERATED = "regenerated.jsonl"
@@ -172,8 +172,7 @@ def run_one_pass(cfg, progress: bool | None = None):
         s = run_extract(replace(cfg, data=str(out / REGENERATED), regenerate=False, warm_up=not after_end,
                                 max_model_len=cfg.max_model_len + TAIL), progress=progress, source=source,
                         started=regen.release)  # a held regeneration generates once this engine has started
-        if stop_requested():  # a stop a library swallowed (vLLM's engine start did: liveness.start_watched)
-            raise KeyboardInterrupt  # came back as the capture's end: never release the held regeneration then
+        raise_if_stopped()  # a stop a library swallowed came back as the capture's end: never release then
         regen.release()  # (a capture with nothing left to do starts no engine)
         regen.wait()  # raises if it failed after its last commit
     finally:
