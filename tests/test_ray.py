@@ -3,14 +3,21 @@ a real S3 endpoint: the partitions run as Ray tasks, a partition task killed onc
 Ray and resumes from its manifest, and S3 holds the single-process dataset, exactly once."""
 
 import json
+import sys
+import time
+import uuid
 
 import pytest
 
 import vx
-from conftest import ROOT
+from conftest import ROOT, write_jsonl
 from test_cli import vx_cmd
 from test_s3 import CREDS, download, s3_server  # noqa: F401  (fixture)
 from test_scale_out import CHAT, assert_same_dataset
+from test_follow import LAYERS, chats
+
+sys.path.insert(0, str(ROOT / "bench"))
+import procfs  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +47,30 @@ def test_partitions_run_as_ray_tasks_and_a_killed_one_is_retried_exactly_once(ra
     assert_same_dataset(vx.open_dataset(tmp_path / "copy"), vx.open_dataset(single), states=False)
     verify = vx_cmd("verify", "s3://vx-out/ray", "--endpoint-url", url, "--samples", "2", "--json", env=CREDS)
     assert verify.returncode == 0 and json.loads(verify.stdout)["ok"], verify.stdout
+
+
+def test_a_partition_out_of_retries_under_a_retain_bound_cancels_the_others_instead_of_waiting_for_them(
+        ray_cluster, tmp_path):
+    """As with --dp (test_follow): under --retain-gb the other partition's writer waits at its bound
+    for readers, which wait for the failed partition's next shard. The launcher cancels the other
+    task once the failed one's retries are spent; its worker ends as on Ctrl-C, committed shards
+    kept, and nothing of the run is left running."""
+    data = write_jsonl(tmp_path / "d.jsonl", chats(120))
+    tag = f"VX_TEST_RUN={uuid.uuid4().hex}"  # forwarded to the tasks' workers (VX_*), inherited by their engines
+    env = {"VX_FAULT": "after-manifest:1", "VX_FAULT_PARTITION": "0", tag.split("=")[0]: tag.split("=")[1]}
+    r = vx_cmd("extract", str(data), "-o", str(tmp_path / "out"), "--backend", "hf", "--ray", "--ray-address",
+               ray_cluster, "--num-partitions", "2", "--max-retries", "0", "--layers", LAYERS, "--shard-size", "0.03",
+               "--retain-gb", "0.0003", env=env)
+    assert r.returncode == 1, r.stderr[-3000:]
+    line = r.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in r.stderr and line.startswith("vx: error: 2 of 2 partitions failed"), r.stderr[-3000:]
+    assert "partition 1 (stopped: under --retain-gb" in line, line
+    t0 = time.monotonic()
+    while procfs.tagged(tag.encode()):  # the stopped worker is reaped before its task ends; allow the kernel a moment
+        assert time.monotonic() - t0 < 30, f"left running: {procfs.tagged(tag.encode())}"
+        time.sleep(0.2)
+    v = vx_cmd("verify", str(tmp_path / "out"), "--samples", "0")  # every committed shard passes its checksum
+    assert v.returncode == 0, v.stdout + v.stderr[-2000:]
 
 
 def test_no_ray_cluster_at_the_address_is_one_clear_line(tmp_path, tiny_model):

@@ -75,10 +75,7 @@ def run_data_parallel(cfg: ExtractConfig, progress: bool | None = None):
     t_start = time.perf_counter()
     state = "failed"
     try:
-        # under --retain-gb a writer waits for readers to consume its shards, and a reader following
-        # the run waits for the failed partition's next ones: the others would wait for good
-        stop = "under --retain-gb its writer would wait for readers that wait for the failed partition" \
-            if cfg.retain_gb else None
+        stop = RETAIN_STOP if cfg.retain_gb else None
         results, failed = run_workers(cfg.num_partitions, slots, lambda index, slot_env, events: _start(
             cfg, index, slot_env, plan_file, cpu_share, logs, events), Tally(bar, metrics), stop)
         state = "failed" if failed else "done"
@@ -91,6 +88,11 @@ def run_data_parallel(cfg: ExtractConfig, progress: bool | None = None):
     s = combine(cfg, job.backend, results, time.perf_counter() - t0, time.perf_counter() - t_start, balance)
     s.set_mfu(terms, bar.meter)
     return s
+
+
+# under --retain-gb a writer waits for readers to consume its shards, and a reader following the
+# run waits for the failed partition's next ones: the others would wait for good, so they are stopped
+RETAIN_STOP = "under --retain-gb its writer would wait for readers that wait for the failed partition"
 
 
 def make_plan(cfg: ExtractConfig, job) -> tuple[str, dict]:

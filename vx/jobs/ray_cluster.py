@@ -17,7 +17,7 @@ import time
 from dataclasses import replace
 
 from vx.jobs.config import ExtractConfig
-from vx.jobs.data_parallel import WORKER, combine, make_plan, partition_config
+from vx.jobs.data_parallel import RETAIN_STOP, WORKER, combine, make_plan, partition_config
 from vx.launch.ray_tasks import (
     cluster_engines,
     connect,
@@ -65,8 +65,8 @@ def _run_ray(cfg: ExtractConfig, progress: bool | None):
     t_start = time.perf_counter()
     state = "failed"
     try:
-        results, failed, attempts = run_tasks(configs, plan_payload(plan_file), tp if gpus else 0,
-                                              cfg.max_retries, Tally(bar, metrics), WORKER)
+        results, failed, attempts = run_tasks(configs, plan_payload(plan_file), tp if gpus else 0, cfg.max_retries,
+                                              Tally(bar, metrics), WORKER, RETAIN_STOP if cfg.retain_gb else None)
         state = "failed" if failed else "done"
     finally:
         bar.close(state)

@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 
 from vx.errors import UsageError
-from vx.launch.workers import Tally, last_line, reap_worker, spawn_worker
+from vx.launch.workers import GROUP_EXIT_S, Tally, last_line, reap_worker, spawn_worker, stop_worker
 
 FORWARD_ENV = ("VX_", "AWS_", "HF_")  # the driver's settings that workers on other nodes need
 
@@ -64,7 +64,12 @@ def partition_task(config: dict, plan: dict, env: dict, sink, module: str) -> di
             tokens_file(plan_file).write_bytes(plan["tokens"])
         log = Path(tmp) / "worker.log"
         proc, reader = spawn_worker(dict(config, plan_file=str(plan_file)), env, log, relay, module)
-        proc.wait()
+        try:
+            while proc.poll() is None:  # not proc.wait(): ray.cancel's KeyboardInterrupt cannot end a blocking wait
+                time.sleep(0.2)
+        except BaseException:  # cancelled (run_tasks' stop_others): the worker ends as on Ctrl-C
+            stop_worker(proc, reader)
+            raise
         reap_worker(proc, reader)
         if proc.returncode != 0 or "summary" not in got:
             raise RuntimeError(f"partition {index} worker exited {proc.returncode} on "
@@ -113,10 +118,12 @@ def cpus_per_node() -> int:
 
 
 def run_tasks(configs: list[dict], plan: dict, num_gpus: int, max_retries: int, tally: Tally,
-              module: str) -> tuple[dict[int, dict], dict[int, str], dict[int, int]]:
+              module: str, stop_others: str | None = None) -> tuple[dict[int, dict], dict[int, str], dict[int, int]]:
     """Each partition's worker config as a Ray task (retried up to max_retries times), progress
     folded into tally. Returns (summary of each finished partition, with its node and finish
-    time; reason of each that failed; attempts of each)."""
+    time; reason of each that failed; attempts of each). A partition whose retries are spent
+    leaves the others to finish, unless stop_others (why) is given: then the others are
+    cancelled, their workers stopped as Ctrl-C stops a run (committed work kept)."""
     import ray
 
     plan_ref = ray.put(plan)
@@ -137,9 +144,34 @@ def run_tasks(configs: list[dict], plan: dict, num_gpus: int, max_retries: int, 
                 results[index] = dict(ray.get(ref), finished_s=round(time.perf_counter() - t_start, 2))
             except Exception as e:  # retries exhausted
                 failed[index] = str(e).strip().splitlines()[-1][:300]
+                if stop_others and refs:
+                    _cancel_all(refs, results, failed, t_start, stop_others)
+                    break
     attempts: dict[int, int] = {}
     for key, (index, _) in ray.get(sink.snapshot.remote()).items():
         attempts[index] = attempts.get(index, 0) + 1
     return results, failed, attempts
 
 
+
+
+def _cancel_all(refs: dict, results: dict, failed: dict, t_start: float, why: str) -> None:
+    """Cancel every task in refs (pending ones never start; a running one stops its worker, which
+    ends as on Ctrl-C) and collect each: finished meanwhile, or stopped. A task that has not ended
+    GROUP_EXIT_S after its worker should have is force-cancelled (its Ray worker killed; the
+    partition worker dies with it)."""
+    import ray
+
+    for ref in refs:
+        ray.cancel(ref)
+    for ref, index in list(refs.items()):
+        del refs[ref]
+        try:
+            results[index] = dict(ray.get(ref, timeout=2 * GROUP_EXIT_S), finished_s=round(time.perf_counter() - t_start, 2))
+        except ray.exceptions.GetTimeoutError:
+            ray.cancel(ref, force=True)
+            failed[index] = f"stopped: {why}"
+        except ray.exceptions.TaskCancelledError:
+            failed[index] = f"stopped: {why}"
+        except Exception as e:
+            failed[index] = str(e).strip().splitlines()[-1][:300]

@@ -84,6 +84,20 @@ def reap_worker(proc: subprocess.Popen, reader: threading.Thread, kill: bool = F
     reader.join(timeout=30)
 
 
+def stop_worker(proc: subprocess.Popen, reader: threading.Thread) -> None:
+    """Stop a running worker as Ctrl-C stops a run (SIGTERM: its committed shards kept, its engine
+    stopped); SIGKILL to its group if it has not ended after GROUP_EXIT_S. Returns once it is reaped."""
+    try:
+        proc.send_signal(signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=GROUP_EXIT_S)
+    except subprocess.TimeoutExpired:
+        pass
+    reap_worker(proc, reader, kill=proc.poll() is None)
+
+
 def read_events(stream, on_event) -> None:
     """A worker's stdout: JSON progress/summary lines (anything else is passed to stderr)."""
     for line in stream:
@@ -176,11 +190,7 @@ def _stop_all(running: dict, events: queue.Queue, tally: Tally, results: dict, f
             pass
     for slot, (proc, index, started, log, reader) in list(running.items()):
         del running[slot]
-        try:
-            proc.wait(timeout=GROUP_EXIT_S)
-        except subprocess.TimeoutExpired:
-            pass
-        reap_worker(proc, reader, kill=proc.poll() is None)
+        stop_worker(proc, reader)
         _drain(events, tally, results)
         if proc.returncode == 0 and index in results:
             _timed(results[index], t_start, started)
