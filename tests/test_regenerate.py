@@ -187,3 +187,35 @@ def test_a_failed_fsync_of_a_chunk_never_writes_that_chunk_twice(tmp_path, monke
     ids = [json.loads(x)["id"] for x in path.read_text().splitlines()]
     assert sorted(ids) == sorted(set(ids)) and set(ids) == committed_ids(path)
     assert {f"c{i}" for i in range(3, 6)} <= set(ids)
+
+
+def test_a_partition_starting_while_another_merges_waits_for_the_merge_and_a_second_writer_is_refused(tmp_path):
+    """The fault campaign's trial 24 of seed 52 (`vx regenerate --dp 2`, a kill after the merge's
+    fsync): in the rerun, partition 0 had nothing left and merged the parts while partition 1's
+    worker started; it found its part locked by the merge and failed ("being written by another").
+    A launcher's workers no longer merge (the launcher does, once all are done), and a part's writer
+    (e.g. a SLURM array task) waits for a merge that holds its part: only a writer is refused."""
+    import threading
+
+    from vx.errors import UsageError
+    from vx.regenerate.output import RegenOutput, part_path, sidecar
+    from vx.store.lock import try_lock
+
+    merged = tmp_path / "r.jsonl"
+    part = part_path(merged, 1, 2)
+    part.parent.mkdir(parents=True)
+    merge_lock, _ = try_lock(sidecar(merged, ".lock"))  # what merge_parts holds while it merges
+    part_lock, _ = try_lock(sidecar(part, ".lock"))
+    released = threading.Event()
+
+    def merge_ends():
+        part_lock.close()
+        merge_lock.close()
+        released.set()
+
+    threading.Timer(1.0, merge_ends).start()
+    writer = RegenOutput(part, merged=merged)
+    assert released.is_set()  # it opened once the merge let go, not before
+    with pytest.raises(UsageError, match="being written by another vx regenerate"):
+        RegenOutput(part, merged=merged)  # a live writer, and no merge: refused at once
+    writer.close()

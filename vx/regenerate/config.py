@@ -53,6 +53,8 @@ class RegenConfig:
     metrics_port: int | None = None         # serve Prometheus metrics here (vx/monitor/metrics.py)
     progress_every: float | None = None     # not a terminal: a progress line every this many s (None: 30)
     plan_file: str | None = None            # internal: the partition plan a launcher computed
+    merge: bool = True                      # internal: the last partition done merges the parts (the one-pass
+    #                                         launcher merges them itself, once every capture has read its part)
 
     def __post_init__(self):
         self.output = Path(self.output)

@@ -43,6 +43,18 @@ def committed_ids(path: Path) -> set[str]:
         return {str(json.loads(line)["id"]) for line in f if line.endswith(b"\n") and line.strip()}
 
 
+MERGE_WAIT_S = 300.0  # a part's writer waits this long for a merge that holds its lock (a rerun's
+# partition starting as another one, with nothing left to do, merges the parts a crash left behind)
+
+
+def merging(output: Path) -> bool:
+    """Whether a live process is merging parts into OUTPUT now (it holds OUTPUT.lock)."""
+    lock, holder = try_lock(sidecar(output, ".lock"))
+    if lock is not None:
+        lock.close()
+    return holder is not None
+
+
 class RegenOutput:
     """One output file (OUTPUT or a partition's part) and its errors file; the ids already
     written there (and, for a part, in the merged OUTPUT)."""
@@ -51,6 +63,10 @@ class RegenOutput:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         self._lock, holder = try_lock(sidecar(path, ".lock"))
+        deadline = time.monotonic() + MERGE_WAIT_S
+        while holder and merged is not None and merging(merged) and time.monotonic() < deadline:
+            time.sleep(0.2)  # a merge holds the parts' locks for a moment: the part is free after it
+            self._lock, holder = try_lock(sidecar(path, ".lock"))
         if holder:
             raise UsageError(f"{path} is being written by another vx regenerate ({holder})")
         self.done = self._recover() | (committed_ids(merged) if merged is not None else set())

@@ -49,7 +49,8 @@ def worker_config(cfg: RegenConfig, index: int, plan_file: str | None, cpu_share
     child = replace(cfg, data_parallel_size=1, gpus=None, ray=False, ray_address=None, partition_index=index,
                     plan_file=plan_file, output=cfg.output.resolve(), data=absolute(cfg.data),
                     model=absolute(cfg.model), chat_template=absolute(cfg.chat_template),
-                    metrics_port=None, progress_every=None)  # the launcher serves the metrics
+                    metrics_port=None, progress_every=None,  # the launcher serves the metrics
+                    merge=False)  # and merges the parts once every worker is done (none merges beside another's start)
     if child.gpu_memory_utilization is None and cpu_share is not None:
         child.gpu_memory_utilization = round(cpu_share, 3)
     return child.to_json()

@@ -136,7 +136,7 @@ def run_regenerate(cfg: RegenConfig, progress: bool | None = None, reporter=None
             metrics.close()
     if part:
         sidecar(path, ".done").touch()  # every row of the partition is written, skipped or in errors
-        stats["merged"] = merge_when_complete(cfg.output, cfg.num_partitions)
+        stats["merged"] = merge_when_complete(cfg.output, cfg.num_partitions) if cfg.merge else False
     stats.update(written=out.written, seconds=round(time.perf_counter() - t0, 2))
     stats.setdefault("generate_s", 0.0)
     return stats
