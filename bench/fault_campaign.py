@@ -8,7 +8,7 @@ Each trial draws, from its own seed (campaign seed and trial number): a mode (`v
 hf or vllm backend, local or to S3 over HTTP (moto's server on loopback; some trials with shards
 over 5 MiB sent as multipart uploads of 5 MiB parts), --data-parallel-size 1 or 2, with a follow
 reader (vx.loader(follow=True)) in some trials and --retain-gb in some of those; `vx regenerate`;
-the one-pass mode `vx extract --regenerate`); then a fault: one of vx.faults.POINTS that the mode
+the one-pass mode `vx extract --regenerate`, --data-parallel-size 1 or 2); then a fault: one of vx.faults.POINTS that the mode
 passes, at its n-th pass, acting by kill (SIGKILL of itself), eio, enospc or stall; or a signal
 from outside (SIGKILL, SIGTERM or SIGINT to the driver, to its whole process group, to the vLLM
 engine core, to one partition worker) at a random moment. Some trials fault the first rerun too
@@ -99,7 +99,7 @@ def configs(modes: list[str]) -> list[dict]:
         sinks = {"extract-hf": ["local", "s3", "s3", "s3-multipart"], "extract-vllm": ["local", "s3"],
                  "regenerate": ["local"], "one-pass": ["local"]}[mode]
         for sink in sinks:
-            for dp in ([1, 1, 2] if sink != "s3-multipart" and mode != "one-pass" else [1]):
+            for dp in ([1, 1, 2] if sink != "s3-multipart" else [1]):
                 follows = [(False, False)] * 4 + [(True, False), (True, True)] if mode == "extract-hf" else [(False, False)]
                 if sink == "s3-multipart":  # --retain-gb 0.005 is below one 5.5 MB shard: a bound no window fits
                     follows = [f for f in follows if not f[1]]
@@ -146,7 +146,7 @@ def points_for(t: dict) -> list[str]:
     if t["sink"].startswith("s3"):
         pts += S3 + (MULTIPART if t["sink"] == "s3-multipart" else [])
     if t["dp"] == 2:
-        pts += ["before-plan-publish"] + (["after-merge"] if t["mode"] == "regenerate" else [])
+        pts += ["before-plan-publish"] + (["after-merge"] if t["mode"] in ("regenerate", "one-pass") else [])
     if t["retain"]:
         pts += ["before-retain-delete", "after-retain-delete"]
     assert set(pts) <= set(faults.POINTS), set(pts) - set(faults.POINTS)

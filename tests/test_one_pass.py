@@ -25,9 +25,9 @@ import procfs  # noqa: E402
 LAYERS = [1, 3, 5]
 
 
-def one_pass(out: Path, *extra: str) -> list[str]:
+def one_pass(out: Path, *extra: str, backend: str = "vllm") -> list[str]:
     return [sys.executable, "-m", "vx", "extract", "examples/chat.jsonl", "-o", str(out), "--regenerate",
-            "--backend", "vllm", "--max-tokens", "12", "--temperature", "0.8", "--seed", "7", "--shard-size", "0.05",
+            "--backend", backend, "--max-tokens", "12", "--temperature", "0.8", "--seed", "7", "--shard-size", "0.05",
             "--layers", ",".join(map(str, LAYERS)), "--json", *extra]
 
 
@@ -112,6 +112,47 @@ def test_sigterm_as_the_engine_starts_then_a_kill_9_mid_run_then_a_rerun_leave_e
                 cos = torch.nn.functional.cosine_similarity(got[:, j].flatten(), ref[:, j].flatten(), dim=0)
                 assert cos >= 0.999, (c["id"], LAYERS[j], float(cos))
             assert (got.abs().amax(dim=(1, 2)) > 0).all()  # no zero row
+
+
+def test_two_engine_slots_killed_mid_run_then_rerun_give_one_regenerated_file_and_every_conversation_once(
+        tmp_path, tiny_model, tokenizer):
+    """--data-parallel-size 2: each slot regenerates its partition and captures it (here with the
+    hf backend: the partitioning is under test, the vLLM capture is above); kill -9 of the launcher
+    once a partition has committed states; the rerun merges the parts into one regenerated.jsonl."""
+    out = tmp_path / "out"
+    tag = f"VX_TEST_RUN={tmp_path.name}-{time.monotonic_ns()}"
+    cmd = one_pass(out, "--data-parallel-size", "2", backend="hf")
+    first = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                             env=dict(os.environ, **dict([tag.split("=", 1)])))
+    manifests = [out / f"part-0000{i}-of-00002" / "manifest.jsonl" for i in range(2)]
+    deadline = time.monotonic() + 900  # engines start on a loaded machine: wait for events, not seconds
+    while time.monotonic() < deadline and first.poll() is None and not any(map(committed_lines, manifests)):
+        time.sleep(0.2)
+    assert first.poll() is None, first.communicate()[1].decode()[-3000:]
+    os.killpg(first.pid, signal.SIGKILL)  # the launcher; its workers, their regenerations and engines die with it
+    first.wait()
+    killed = time.monotonic()
+    while procfs.tagged(tag.encode()):
+        assert time.monotonic() - killed < 90, f"left running: {procfs.tagged(tag.encode())}"
+        time.sleep(0.2)
+    assert (out / "regenerated.jsonl.parts").is_dir()  # the parts wait for every capture's end
+
+    r = subprocess.run(one_pass(out, "--data-parallel-size", "2", "--verify", "2", backend="hf"), cwd=ROOT,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(r.stdout)
+    assert [p["partition"] for p in summary["partitions"]] == [0, 1]
+    assert summary["regenerated"]["skipped"] > 0 and summary["verify"]["ok"]
+    records = [json.loads(line) for line in (ROOT / "examples/chat.jsonl").read_text().splitlines() if line]
+    want = sorted(r["id"] for r in records if "messages" in r or "conversations" in r)
+    convs = [json.loads(line) for line in (out / "regenerated.jsonl").read_text().splitlines() if line.strip()]
+    assert sorted(c["id"] for c in convs) == want and not (out / "regenerated.jsonl.parts").exists()
+    assert summary["regenerated"]["conversations_in_output"] == len(want)
+    ds = vx.open_dataset(out)
+    assert sorted(ds.ids) == want
+    for c in convs:  # each conversation's rows are its regenerated text's, whichever slot wrote it
+        rendered = tokenizer.apply_chat_template(c["messages"], tokenize=False)
+        assert ds[c["id"]]["input_ids"].tolist() == tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
 
 def test_a_followed_input_yields_committed_rows_only_and_after_its_end_when_asked(tmp_path):

@@ -100,7 +100,7 @@ def run_extract(cfg: ExtractConfig, progress: bool | None = None, reporter=None,
     root = out = Output.of(cfg)
     lines = plan = None
     if cfg.partitioned:
-        cfg, out, lines, plan = _enter_partition(cfg, job, root)
+        cfg, out, lines, plan = _enter_partition(cfg, job, root, whole_source=source is not None)
     if job.backend == "vllm" and not cfg.max_model_len:
         cfg = replace(cfg, max_model_len=engine_max_model_len(cfg, job, plan))
     out.reset_or_sync(cfg.overwrite)
@@ -227,19 +227,23 @@ def require_samples(cfg: ExtractConfig, s: Summary) -> None:
                      f"{first.get('reason')})" + (f"; {looks}" if looks else "") + f". See {cfg.output / ERRORS}")
 
 
-def _enter_partition(cfg: ExtractConfig, job: Job, root: Output):
+def _enter_partition(cfg: ExtractConfig, job: Job, root: Output, whole_source: bool = False):
     """A partition worker: join the root output and find its rows. Returns the config narrowed
-    to the partition's own directory and S3 prefix, that partition's Output, and its rows."""
+    to the partition's own directory and S3 prefix, that partition's Output, and its rows (None:
+    every row; whole_source: the input is already this partition's, a one-pass worker's
+    regeneration, and no plan is read)."""
     from vx.launch.plan import lines_of, load_or_make_plan, part_name
 
     root.join(job.meta)
     name = part_name(cfg.partition_index, cfg.num_partitions)
-    plan = Path(cfg.plan_file) if cfg.plan_file else load_or_make_plan(
-        root.local, job.source, job.model_dir, job.info.fingerprint, cfg.num_partitions, cfg.reading())
     out = root.partition(name)
     upload = str(out.target) if out.target is not None else None
-    return (replace(cfg, output=out.local, upload=upload, staged=False), out, lines_of(plan, cfg.partition_index),
-            plan)
+    cfg = replace(cfg, output=out.local, upload=upload, staged=False)
+    if whole_source:
+        return cfg, out, None, None
+    plan = Path(cfg.plan_file) if cfg.plan_file else load_or_make_plan(
+        root.local, job.source, job.model_dir, job.info.fingerprint, cfg.num_partitions, cfg.reading())
+    return cfg, out, lines_of(plan, cfg.partition_index), plan
 
 
 def engine_max_model_len(cfg: ExtractConfig, job: Job, plan: Path | None) -> int | None:

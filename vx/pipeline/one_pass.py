@@ -50,15 +50,26 @@ def regen_config(cfg) -> dict:
             "chat_template_kwargs": cfg.chat_template_kwargs, "messages_field": cfg.messages_field,
             "id_field": cfg.id_field, "max_num_seqs": cfg.max_num_seqs,
             "gpu_memory_utilization": cfg.gpu_memory_utilization, "max_model_len": cfg.max_model_len,
-            "endpoint_url": cfg.endpoint_url, "verbose": False, "partition_index": None,
-            "tensor_parallel_size": cfg.tensor_parallel_size}
+            "endpoint_url": cfg.endpoint_url, "verbose": False, "tensor_parallel_size": cfg.tensor_parallel_size,
+            # a partition worker's regeneration writes OUT/regenerated.jsonl.parts/part-i-of-P.jsonl, and the
+            # launcher merges the parts once every capture has read its own (vx/pipeline/one_pass_parallel.py)
+            "partition_index": cfg.partition_index, "num_partitions": cfg.num_partitions,
+            "plan_file": cfg.plan_file, "merge": False}
+
+
+def regenerated_path(cfg) -> Path:
+    """The JSONL this process's regeneration writes and its capture follows."""
+    from vx.regenerate.output import part_path
+
+    out = Path(cfg.output) / REGENERATED
+    return part_path(out, cfg.partition_index, cfg.num_partitions) if cfg.partitioned else out
 
 
 TAIL = 16  # the capture engine's max_model_len exceeds the regeneration's by this: a turn cut at the
 # regeneration's limit still gets the template's tail after it
 
 
-def max_model_len(cfg) -> int:
+def max_model_len(cfg, job=None, plan: Path | None = None) -> int:
     """The regeneration engine's max_model_len when none is given: the longest input conversation
     (its original turns) plus --max-tokens for each assistant turn regenerated, never past the
     model's own (vLLM's default is the model's, 262,144 for Qwen3.6, and a capture engine refuses
@@ -67,8 +78,8 @@ def max_model_len(cfg) -> int:
     from vx.data.inputs import Input
     from vx.jobs.extract import engine_max_model_len, prepare_job
 
-    job = prepare_job(cfg)
-    longest = engine_max_model_len(cfg, job, None) or 2  # the input's plan, kept in OUT for reruns
+    job = job or prepare_job(cfg)
+    longest = engine_max_model_len(cfg, job, plan) or 2  # the input's plan, kept in OUT for reruns
     turns = 1
     if cfg.turns == "all":
         for row in Input(cfg.data, cfg.endpoint_url).rows():
@@ -96,8 +107,13 @@ def check_rerun(cfg, out: Path) -> None:
                                                                         "model")})
     path = out / GENERATION
     if cfg.overwrite:
+        import shutil
+
+        from vx.regenerate.output import parts_dir
+
         for name in (REGENERATED, REGENERATED + ".committed", REGENERATED + ".errors.jsonl", GENERATION):
             (out / name).unlink(missing_ok=True)
+        shutil.rmtree(parts_dir(out / REGENERATED), ignore_errors=True)
     elif path.exists():
         before = json.loads(path.read_text())
         changed = sorted(k for k in opts if before.get(k) != opts[k])
@@ -129,21 +145,29 @@ def pin_env(cores: list[int]) -> dict[str, str]:
             "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))}
 
 
-def run_one_pass(cfg, progress: bool | None = None):
-    """The one-pass job: returns extraction's Summary, with the regeneration's summary in it."""
+def run_one_pass(cfg, progress: bool | None = None, reporter=None):
+    """The one-pass job: returns extraction's Summary, with the regeneration's summary in it. With
+    --data-parallel-size/--gpus, the launcher (vx/pipeline/one_pass_parallel.py); in its workers
+    (a partition and the launcher's plan), that partition."""
     from vx.data.follow import FollowingInput
     from vx.jobs.extract import run_extract
 
-    if cfg.partitioned or cfg.ray or cfg.data_parallel_size > 1:
-        raise UsageError("--regenerate runs on one node with one engine of each kind for now: drop "
-                         "--data-parallel-size/--ray/--num-partitions/--partition-index")
+    if cfg.ray or (cfg.partitioned and not cfg.plan_file):
+        raise UsageError("--regenerate runs on one node for now (one engine, or --data-parallel-size/--gpus): "
+                         "drop --ray/--num-partitions/--partition-index")
     if cfg.upload:  # the regenerated text would stay in local staging, apart from the states in S3
         raise UsageError("--regenerate writes a local output for now: give a local -o (and copy it to S3 "
                          "after), or run vx regenerate, then vx extract -o s3://...")
+    if cfg.data_parallel_size > 1:
+        from vx.pipeline.one_pass_parallel import run_one_pass_parallel
+
+        return run_one_pass_parallel(cfg, progress)
     out = Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(exist_ok=True)
-    check_rerun(cfg, out)
+    followed = regenerated_path(cfg)
+    if not cfg.partitioned:  # a worker's launcher checked the options and computed max_model_len once
+        check_rerun(cfg, out)
     split, after_end = cpu_layout()
     gen_env = pin_env(split[0]) if split else {}
     from vx.device import cuda_available
@@ -152,8 +176,8 @@ def run_one_pass(cfg, progress: bool | None = None):
         cfg = replace(cfg, gpu_memory_utilization=GPU_SHARE)
     # the child first: its imports and engine start are the critical path, the plan below is not
     # on CPU it generates once vx's engine has started (an hf capture has no engine start to wait for)
-    regen = Regeneration(regen_config(cfg), gen_env, out / "logs" / "regenerate.log",
-                         hold=after_end and cfg.backend != "hf")
+    log = out / "logs" / (f"regenerate-{followed.stem}.log" if cfg.partitioned else "regenerate.log")
+    regen = Regeneration(regen_config(cfg), gen_env, log, hold=after_end and cfg.backend != "hf")
     cores, env = os.sched_getaffinity(0), dict(os.environ)  # given back after: a caller in this process keeps its own
     try:
         if not cfg.max_model_len:
@@ -162,16 +186,16 @@ def run_one_pass(cfg, progress: bool | None = None):
         if split:
             os.sched_setaffinity(0, set(split[1]))
             os.environ.update(pin_env(split[1]))
-        (out / REGENERATED).touch()  # the capture's config checks its input exists
+        followed.parent.mkdir(parents=True, exist_ok=True)
+        followed.touch()  # the capture's config checks its input exists
         if not after_end:  # following (GPU): one engine starting at a time (vLLM sizes its KV cache from
             regen.wait_ready()  # the device's free memory, which an engine starting beside it changes)
-        source = FollowingInput(out / REGENERATED, regen.finished, pending=cfg.backend != "hf",
-                                after_end=after_end)
+        source = FollowingInput(followed, regen.finished, pending=cfg.backend != "hf", after_end=after_end)
         # a capture after the end skips the warm-up: its dummy prefills would run beside the generation
         # on the same cores (CPU runs eager by default: nothing to compile before the first batch)
-        s = run_extract(replace(cfg, data=str(out / REGENERATED), regenerate=False, warm_up=not after_end,
-                                max_model_len=cfg.max_model_len + TAIL), progress=progress, source=source,
-                        started=regen.release)  # a held regeneration generates once this engine has started
+        s = run_extract(replace(cfg, data=str(followed), regenerate=False, warm_up=not after_end,
+                                max_model_len=cfg.max_model_len + TAIL), progress=progress, reporter=reporter,
+                        source=source, started=regen.release)  # a held regeneration generates once this engine has started
         raise_if_stopped()  # a stop a library swallowed came back as the capture's end: never release then
         regen.release()  # (a capture with nothing left to do starts no engine)
         regen.wait()  # raises if it failed after its last commit
