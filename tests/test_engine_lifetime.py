@@ -302,3 +302,36 @@ def test_a_stop_that_a_finalizer_swallowed_still_stops_the_loop_at_its_next_turn
     assert r.stdout.splitlines() == ["went on"], r.stdout + r.stderr[-2000:]
     assert r.returncode == 130 and r.stderr.strip().splitlines() == [
         "vx: interrupted; rerun the same command to continue"], r.stderr[-2000:]  # one line, no traceback
+
+
+def test_ctrl_c_while_the_engine_starts_ends_the_run_in_seconds_not_when_the_start_is_done(tmp_path, tiny_model):
+    """The fault campaign's seed 54 (trials 14, 16: a signal as the one-pass capture engine started,
+    no exit within 60 s on a loaded machine). vLLM catches the KeyboardInterrupt in its handshake and
+    goes on waiting for the engine's ready message; vx used to act on the stop only once the start
+    was over. Now the driver leaves a few seconds after the stop, the engine's processes killed:
+    before the engine finished starting (its log never says so), with the one line on the terminal."""
+    out = tmp_path / "out"
+    tag = f"VX_TEST_RUN={tmp_path.name}-{time.monotonic_ns()}"
+    p = subprocess.Popen([sys.executable, "-m", "vx", "extract", "examples/chat.jsonl", "-o", str(out), "--backend",
+                          "vllm"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True, env=dict(os.environ, **dict([tag.split("=", 1)])))
+    deadline = time.monotonic() + 900  # the engine's process appears once the driver has loaded: wait for it
+    while p.poll() is None and time.monotonic() < deadline and not any(
+            procfs.cmdline(c).startswith(b"VLLM::EngineCore") for c in procfs.children(p.pid)):
+        time.sleep(0.05)
+    assert p.poll() is None, p.communicate()[1][-3000:]
+    time.sleep(1.0)  # into the start: the core is importing vLLM, the driver waits in vLLM's handshake
+    os.kill(p.pid, signal.SIGINT)
+    try:
+        _, stderr = p.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        raise AssertionError("no exit within 60 s of Ctrl-C during the engine's start")
+    assert p.returncode == 130 and stderr.strip().splitlines()[-1] == \
+        "vx: interrupted; rerun the same command to continue", stderr[-3000:]
+    log = (out / "logs" / "vllm.log").read_text(errors="replace")
+    assert "init engine (profile, create kv cache, warmup model) took" not in log  # it left during the start
+    sent = time.monotonic()
+    while procfs.tagged(tag.encode()):
+        assert time.monotonic() - sent < 30, f"left running: {procfs.tagged(tag.encode())}"
+        time.sleep(0.2)

@@ -190,6 +190,15 @@ def leave(rc: int) -> None:
     sys.exit(rc)
 
 
+def exit_interrupted() -> None:
+    """Leave at once after Ctrl-C or SIGTERM that the main thread cannot take up (a library caught
+    what the handler raised and went back to a wait of its own): run_guarded's line and code."""
+    sys.stdout.flush()
+    rc = _interrupted()
+    sys.stderr.flush()
+    os._exit(rc)
+
+
 def exit_now(e: VxError) -> None:
     """Leave at once (a thread's backstop when the main thread cannot be reached): the line and
     exit code run_guarded would give."""

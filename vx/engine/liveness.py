@@ -35,12 +35,13 @@ import time
 from pathlib import Path
 
 from vx.engine.reaper import _stat, descendants
-from vx.errors import EngineDied, exit_now, startup_over, stop_requested
+from vx.errors import EngineDied, exit_interrupted, exit_now, startup_over, stop_requested
 
 WAKE = signal.SIGUSR2   # unused by vLLM, torch and Python's runtime
 TICK_S = 0.1
 SCAN_S = 2.0            # how often the cores' worker processes are looked up
 GRACE_S = 6.0           # after a death, the driver's own exit path gets this long
+STOP_START_S = 3.0      # a stop while the engine starts: the start's own path gets this long, then the driver leaves
 WORKER_TITLE = b"VLLM::Worker"
 KEPT = "committed samples are kept, rerun the same command to continue"  # the line's tail
 # vLLM's engine core refuses every call once a signal began its shutdown (SIGTERM or SIGINT to the
@@ -93,6 +94,7 @@ class EngineWatch:
         self._depth = 0
         self._call: tuple[str, float | None] | None = None  # (what, deadline) of the current call
         self._late: str | None = None          # a call past its deadline
+        self._stopped_at: float | None = None  # when a stop was first seen during the engine's start
         self._stop = threading.Event()  # close(): the driver stops the engine itself now
         self._main = threading.main_thread().ident if threading.current_thread() is threading.main_thread() else None
         self._old_handler = signal.signal(WAKE, self._on_wake) if self._main else None
@@ -217,9 +219,33 @@ class EngineWatch:
             if dead_worker is not None:
                 return self._lost(f"{self.label}'s worker process (pid {dead_worker}) died")
             call = self._call
+            if call and call[0] == "start" and self._depth and stop_requested():
+                self._leave_start(now)
             if call and call[1] is not None and now > call[1] and self._depth:
                 self._late = f"{self.label} did not answer {call[0]} in time"
                 self._wake()
+
+    def _leave_start(self, now: float) -> None:
+        """Ctrl-C or SIGTERM while vLLM starts the engine. vLLM (0.32, 0.33) catches the
+        KeyboardInterrupt in its handshake (`zmq_socket_ctx`) and goes on to wait for the engine's
+        ready message on its own socket, which a half-done handshake may never bring (up to
+        VLLM_ENGINE_READY_TIMEOUT_S): the fault campaign's seed 54 (one-pass, a signal as the
+        capture engine started: no exit in 60 s). The start's own path (start_watched) gets
+        STOP_START_S; then the engine's processes are killed and the driver leaves with the
+        interrupted line and code (nothing of this run is written yet: its engine never started)."""
+        if self._stopped_at is None:
+            self._stopped_at = now
+            return
+        if now - self._stopped_at < STOP_START_S or not self._depth or (self._call or ("",))[0] != "start":
+            return
+        for core in list(self._cores):
+            for pid in [*descendants(core), core]:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+        from vx.engine.logs import stderr_to_terminal
+
+        stderr_to_terminal()
+        exit_interrupted()
 
     def _scan_workers(self) -> None:
         """The cores' own children titled as vLLM workers. Not their descendants: a process a

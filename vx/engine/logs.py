@@ -32,18 +32,31 @@ def engine_output(log_file: Path | None, verbose: bool = False):
         yield
         return
     log_file.parent.mkdir(parents=True, exist_ok=True)
+    global _terminal
     sys.stderr.flush()
-    saved = os.dup(2)
+    saved = _terminal = os.dup(2)
     fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 2)
     os.close(fd)
     try:
         yield
     finally:
+        _terminal = None
         sys.stderr.flush()
         os.dup2(saved, 2)
         os.close(saved)
         _split_driver_log(log_file)
+
+
+_terminal: int | None = None  # the driver's own stderr while an engine starts (its fd 2 is the log then)
+
+
+def stderr_to_terminal() -> None:
+    """Point fd 2 back at the driver's own stderr, if an engine's start has it on the log now: for
+    the one line of a driver that leaves during the start (vx/engine/liveness.py)."""
+    if _terminal is not None:
+        sys.stderr.flush()
+        os.dup2(_terminal, 2)
 
 
 def _split_driver_log(log_file: Path) -> None:
