@@ -18,7 +18,8 @@ shard's size and CRC64-NVME (computed here); every stored row within cosine 0.99
 its input ids equal; S3's listing equals the manifests' undropped shards, no multipart upload left
 open, staging empty; no temp files; no process of a run (found by a mark in its environment)
 outlives its driver by 30 s; every faulted run ends by itself (a stall included) with no
-traceback, a signalled one within 60 s of the signal; the follow reader saw every sample once;
+traceback, a signalled one within 60 s of the signal (a signalled partition worker within 60 s,
+its launcher once the other partitions are done, as documented); the follow reader saw every sample once;
 regenerated conversations once each.
 
 The tally (trials, faults fired, failpoints reached, invariants checked, violations with their
@@ -366,9 +367,13 @@ class Campaign:
                     sent = time.monotonic()
                 except ProcessLookupError:
                     pass
-        hung = False
+        hung = worker_hung = False
+        if sent and fault["target"] == "worker":  # the worker ends within the bound; the launcher reports it
+            while procfs.alive(pid) and time.monotonic() - sent < SIGNAL_EXIT_S:  # once the others are done
+                time.sleep(0.1)
+            worker_hung = procfs.alive(pid)
         try:
-            rc = p.wait(timeout=SIGNAL_EXIT_S if sent else RUN_S)
+            rc = p.wait(timeout=SIGNAL_EXIT_S if sent and fault["target"] != "worker" else RUN_S)
         except subprocess.TimeoutExpired:
             hung = True
             os.killpg(p.pid, signal.SIGKILL)
@@ -386,8 +391,10 @@ class Campaign:
         stderr = log.with_suffix(".err").read_text(errors="replace")
         bad = []
         what = "the faulted run" if fault else "the clean rerun"
+        if worker_hung:
+            bad.append(f"the partition worker did not end within {SIGNAL_EXIT_S:.0f} s of SIG{fault['sig']}")
         if hung:
-            bad.append(f"{what} did not end within {SIGNAL_EXIT_S if sent else RUN_S:.0f} s"
+            bad.append(f"{what} did not end within {SIGNAL_EXIT_S if sent and fault['target'] != 'worker' else RUN_S:.0f} s"
                        + (f" of SIG{fault['sig']} to its {fault['target']}" if sent else ""))
         before_start = bool(sent and unhandled and rc != 0)  # what it says is then the interpreter's
         if sent and fault["target"] in ("driver", "group") and not hung and not before_start and \
