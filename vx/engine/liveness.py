@@ -21,6 +21,10 @@ starts (extraction, `vx regenerate`, `vx selftest`):
   regenerate commit) is never cut halfway.
 - Backstop: a process still alive GRACE_S after the death (stuck somewhere no wake reaches) prints
   the line and exits with the code vx.errors gives it.
+- A stop (Ctrl-C, SIGTERM) while vLLM starts the engine, which vLLM swallows: see _leave_start.
+
+Over 300 lines: one noun, the watch over one engine's processes; its thread, its wake, the start
+and the backstop share its state.
 """
 
 from __future__ import annotations
