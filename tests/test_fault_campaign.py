@@ -117,6 +117,16 @@ def test_a_fault_at_every_durable_step_then_a_rerun_loses_nothing(tmp_path, tiny
     regressions = [t for t in REGRESSIONS if t["dp"] == 1 and t["mode"] == "extract-hf"]
     lines = []
     t = campaign.run_campaign(0, SEED, tmp_path, modes, only=[], extra=trials + regressions, log=lines.append)
+    for attempt in range(3):  # a run faster than the clean run that timed it (that one on a loaded machine)
+        missed = [x for x in trials if x["fault"]["kind"] == "signal"  # ends before its moment: sooner, again
+                  and f"{x['fault']['sig']}->{x['fault']['target']}" not in t["signals_sent"]]
+        if not missed:
+            break
+        again = campaign.run_campaign(0, SEED, tmp_path / f"again{attempt}", modes, only=[], log=lines.append,
+                                      extra=[dict(x, fault=dict(x["fault"], at=x["fault"]["at"] / 2)) for x in missed])
+        t["violations"] += again["violations"]
+        t["invariants_checked"] += again["invariants_checked"]
+        t["signals_sent"] = dict(t["signals_sent"], **again["signals_sent"])
     print("\n".join(lines))
     assert t["trials"] == len(trials) + len(regressions) >= 20
     assert not t["violations"], t["violations"]
