@@ -240,7 +240,7 @@ class EngineWatch:
         if self._stopped_at is None:
             self._stopped_at = now
             return
-        if now - self._stopped_at < STOP_START_S or not self._depth or (self._call or ("",))[0] != "start":
+        if now - self._stopped_at < STOP_START_S:
             return
         for core in list(self._cores):
             for pid in [*descendants(core), core]:
