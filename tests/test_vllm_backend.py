@@ -138,7 +138,6 @@ def test_qwen3_next_hybrid_gdn_moe_matches_hf(cache_dir, tmp_path):
         ds = extract(eng, samples, tmp_path, 256)
     finally:
         eng.close()
-    # MoE: bf16 vs fp32 can flip a near-tie top-k expert choice for a token, which moves that
-    # token's state far more than rounding does. HF itself in bf16 scores cosine 0.9976 and 0.40
-    # relative max |diff| against this fp32 reference on these samples; vLLM is held to the same.
-    assert_matches(ds, samples, hf_reference(model, samples, [0, 2, 3]), cos_min=0.995, rel_max=0.6)
+    # The tiny model routes every token to all its experts (vx/data/tiny.py says why), so the MoE
+    # layers are held to the dense bound: observed 0.99994 / 0.012.
+    assert_matches(ds, samples, hf_reference(model, samples, [0, 2, 3]))
