@@ -8,7 +8,7 @@ Each trial draws, from its own seed (campaign seed and trial number): a mode (`v
 hf or vllm backend, local or to S3 over HTTP (moto's server on loopback; some trials with shards
 over 5 MiB sent as multipart uploads of 5 MiB parts), --data-parallel-size 1 or 2, with a follow
 reader (vx.loader(follow=True)) in some trials and --retain-gb in some of those; `vx regenerate`;
-the one-pass mode `vx extract --regenerate`, --data-parallel-size 1 or 2); then a fault: one of vx.faults.POINTS that the mode
+the one-pass mode `vx extract --regenerate`, local or to S3, --data-parallel-size 1 or 2); then a fault: one of vx.faults.POINTS that the mode
 passes, at its n-th pass, acting by kill (SIGKILL of itself), eio, enospc or stall; or a signal
 from outside (SIGKILL, SIGTERM or SIGINT to the driver, to its whole process group, to the vLLM
 engine core, to one partition worker) at a random moment. Some trials fault the first rerun too
@@ -20,7 +20,8 @@ open, staging empty; no temp files; no process of a run (found by a mark in its 
 outlives its driver by 30 s; every faulted run ends by itself (a stall included) with no
 traceback, a signalled one within 60 s of the signal (a signalled partition worker within 60 s,
 its launcher once the other partitions are done, as documented); the follow reader saw every sample once;
-regenerated conversations once each.
+regenerated conversations once each; in the one-pass mode each stored conversation's ids are
+those of its regenerated text (the tokenizer's own chat template), and in S3 one text segment is left.
 
 The tally (trials, faults fired, failpoints reached, invariants checked, violations with their
 trial's seed) goes to bench/results/fault_campaign-<machine>-<time>.json.
@@ -59,6 +60,7 @@ WRITER = ["mid-shard-write", "before-shard-fsync", "before-rename", "before-mani
 S3 = ["before-upload", "mid-upload", "after-upload", "before-s3-manifest", "after-s3-manifest", "after-delete"]
 MULTIPART = ["upload-part", "before-multipart-complete"]
 REGEN = ["after-chunk", "before-chunk-fsync", "before-committed-mark"]
+TEXT = ["before-text-segment", "after-text-compact"]  # the one-pass mode's text in S3
 ACTIONS = ["kill"] * 6 + ["eio"] * 2 + ["enospc"] + ["stall"]
 SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM, "INT": signal.SIGINT}
 # 0: it had printed its result before the signal was sent (a 0 without it: the signal was swallowed,
@@ -98,7 +100,7 @@ def configs(modes: list[str]) -> list[dict]:
     out = []
     for mode in modes:
         sinks = {"extract-hf": ["local", "s3", "s3", "s3-multipart"], "extract-vllm": ["local", "s3"],
-                 "regenerate": ["local"], "one-pass": ["local"]}[mode]
+                 "regenerate": ["local"], "one-pass": ["local", "s3"]}[mode]
         for sink in sinks:
             for dp in ([1, 1, 2] if sink != "s3-multipart" else [1]):
                 follows = [(False, False)] * 4 + [(True, False), (True, True)] if mode == "extract-hf" else [(False, False)]
@@ -145,7 +147,7 @@ def points_for(t: dict) -> list[str]:
     pts += {"extract-hf": ["after-batch"], "extract-vllm": ["after-step", "engine-step", "engine-sample"],
             "regenerate": ["after-step"] + REGEN, "one-pass": REGEN}[t["mode"]]
     if t["sink"].startswith("s3"):
-        pts += S3 + (MULTIPART if t["sink"] == "s3-multipart" else [])
+        pts += S3 + (MULTIPART if t["sink"] == "s3-multipart" else []) + (TEXT if t["mode"] == "one-pass" else [])
     if t["dp"] == 2:
         pts += ["before-plan-publish"] + (["after-merge"] if t["mode"] in ("regenerate", "one-pass") else [])
     if t["retain"]:
@@ -206,6 +208,17 @@ class Campaign:
                 _, headers = checks.checksums_pass(files)
                 self.reference[kind] = {k: v for name, h in headers.items()
                                         for k, v in checks.rows_of(files.files[name], h).items()}
+
+    def render(self, messages: list[dict]) -> list[int]:
+        """A conversation's ids as the embedded model's tokenizer renders it (its own chat template)."""
+        if not hasattr(self, "_tokenizer"):
+            from transformers import AutoTokenizer
+
+            from vx.data.tiny import TINY_NAME
+
+            self._tokenizer = AutoTokenizer.from_pretrained(str(self.cache / TINY_NAME))
+        text = self._tokenizer.apply_chat_template(messages, tokenize=False)
+        return self._tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def env(self, extra: dict | None = None) -> dict:
         env = dict(os.environ, **CREDS, VX_CACHE_DIR=str(self.cache), OMP_NUM_THREADS="1",
@@ -306,7 +319,12 @@ class Campaign:
             regen = files.files.get("regenerated.jsonl")
             path = Path(self.work / f"{prefix}-regenerated.jsonl")
             path.write_bytes(regen or b"")
-            bad += checks.jsonl_once(path, want)
+            bad += checks.jsonl_once(path, want) + checks.text_matches_states(files, headers, regen or b"", self.render)
+            result["invariants"] += 1
+            if remote:  # the runs' segments compacted into one once the output is complete
+                segments = [n for n in files.files if n.startswith("regenerated.jsonl.d/")]
+                bad += [f"{len(segments)} text segments left in S3, not 1"] if len(segments) != 1 else []
+                result["invariants"] += 1
         else:
             kind = "multipart" if t["sink"] == "s3-multipart" else "small"
             bad += checks.states_match(files, headers, self.reference[kind], 0.999 if t["mode"] == "extract-hf" else 0.99)

@@ -166,6 +166,18 @@ def s3_listing_agrees(out: Output, client, bucket: str, prefix: str) -> list[str
     return bad
 
 
+def text_matches_states(out: Output, headers: dict[str, dict], regenerated: bytes, render) -> list[str]:
+    """The one-pass mode: every stored conversation's input ids are its regenerated text's, as
+    render(messages) -> ids gives them (the tokenizer's own chat template)."""
+    text = {json.loads(x)["id"]: json.loads(x)["messages"] for x in regenerated.splitlines() if x.strip()}
+    bad = []
+    for name, header in headers.items():
+        for sid, (ids, _) in rows_of(out.files[name], header).items():
+            if sid in text and ids.tolist() != render(text[sid]):
+                bad.append(f"{name}:{sid}: stored ids are not those of its regenerated text")
+    return bad
+
+
 def no_temp_files(*roots: Path) -> list[str]:
     """Nothing half-written left beside committed files (temp shards, temp manifests)."""
     left = [str(p) for root in roots if root.exists() for p in root.rglob("*")

@@ -155,6 +155,77 @@ def test_two_engine_slots_killed_mid_run_then_rerun_give_one_regenerated_file_an
         assert ds[c["id"]]["input_ids"].tolist() == tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
 
+def test_to_s3_a_kill_9_then_a_rerun_on_another_machine_keep_each_conversations_text_with_its_states(
+        tmp_path, tiny_model, tokenizer):
+    """-o s3://: S3 is the output, the local directory only staging. The text of a conversation
+    goes to S3 before its states do, so a rerun on a machine without the staging (an empty vx
+    cache) takes the text of every conversation S3 holds states of from S3, and regenerates the
+    rest. Held against S3's own listing and the tokenizer's rendering of S3's text. No --seed: a
+    conversation regenerated again gets other text, so states kept with the wrong text show."""
+    from conftest import machine_cache
+    from s3_faults import free_port
+    from test_s3 import CREDS, download, start_s3_process
+
+    proc, url, client = start_s3_process(free_port())
+    try:
+        def unseeded(*extra: str) -> list[str]:
+            cmd = one_pass("s3://vx-out/one", "--endpoint-url", url, *extra, backend="hf")
+            i = cmd.index("--seed")
+            return cmd[:i] + cmd[i + 2:]
+
+        first = subprocess.Popen(unseeded(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 start_new_session=True,
+                                 env=dict(os.environ, **CREDS, VX_CACHE_DIR=machine_cache(tmp_path / "machine-a"),
+                                          VX_ONE_PASS_CORES="split"))  # the capture follows the regeneration
+
+        def published() -> int:
+            try:
+                body = client.get_object(Bucket="vx-out", Key="one/manifest.jsonl")["Body"].read()
+            except client.exceptions.NoSuchKey:
+                return 0
+            return sum(1 for line in body.splitlines() if line.strip())
+
+        deadline = time.monotonic() + 900  # engines start on a loaded machine: wait for events, not seconds
+        while time.monotonic() < deadline and first.poll() is None and published() < 2:
+            time.sleep(0.2)
+        assert first.poll() is None, first.communicate()[1].decode()[-3000:]
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+        early = download(client, "vx-out", "one", tmp_path / "early")
+        states_then = {sid for line in (tmp_path / "early" / "manifest.jsonl").read_text().splitlines() if line
+                       for sid in json.loads(line)["sample_ids"]}
+        text_then = {}  # the first run's text in S3, a later segment's line replacing an earlier one's
+        for name in sorted(n for n in early if n.startswith("regenerated.jsonl.d/")):
+            for line in (tmp_path / "early" / name).read_text().splitlines():
+                text_then[json.loads(line)["id"]] = line
+        assert states_then and states_then <= text_then.keys()  # no state in S3 before its text
+
+        r = subprocess.run(unseeded("--verify", "2"), cwd=ROOT, capture_output=True, text=True, timeout=900,
+                           env=dict(os.environ, **CREDS, VX_CACHE_DIR=machine_cache(tmp_path / "machine-b")))
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "restored from it" in r.stderr, r.stderr[-3000:]
+        summary = json.loads(r.stdout)
+        assert summary["verify"]["ok"] and summary["regenerated"]["output"] == "s3://vx-out/one/regenerated.jsonl"
+
+        names = download(client, "vx-out", "one", tmp_path / "s3")
+        assert len([n for n in names if n.startswith("regenerated.jsonl.d/")]) == 1  # the runs' segments compacted
+        records = [json.loads(line) for line in (ROOT / "examples/chat.jsonl").read_text().splitlines() if line]
+        want = sorted(r["id"] for r in records if "messages" in r or "conversations" in r)
+        convs = [json.loads(line) for line in (tmp_path / "s3" / "regenerated.jsonl").read_text().splitlines()
+                 if line.strip()]
+        assert sorted(c["id"] for c in convs) == want  # every conversation once in S3's text
+        final = {json.loads(line)["id"]: line for line in (tmp_path / "s3" / "regenerated.jsonl").read_text().splitlines()
+                 if line.strip()}
+        assert all(final[i] == text_then[i] for i in states_then)  # the text the first run's states are of
+        ds = vx.open_dataset(tmp_path / "s3")
+        assert sorted(ds.ids) == want  # and once in its states
+        for c in convs:  # each conversation's rows are those of S3's text of it
+            rendered = tokenizer.apply_chat_template(c["messages"], tokenize=False)
+            assert ds[c["id"]]["input_ids"].tolist() == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    finally:
+        proc.kill()
+
+
 def test_a_followed_input_yields_committed_rows_only_and_after_its_end_when_asked(tmp_path):
     from vx.data.follow import FollowingInput
     from vx.data.samples import PENDING

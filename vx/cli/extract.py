@@ -54,7 +54,7 @@ def extract(
     ray: Annotated[bool, typer.Option(help="Run the partitions as Ray tasks on an existing Ray cluster (use -o s3://... so every node writes to the same place).")] = False,
     ray_address: Annotated[Optional[str], typer.Option(help="Ray cluster address. Default: auto (RAY_ADDRESS, or the cluster started on this node).")] = None,
     max_retries: Annotated[int, typer.Option(help="ray: times a failed partition is rescheduled (it resumes from its manifest).")] = 3,
-    regenerate: Annotated[bool, typer.Option(help="One pass: the target first writes every assistant turn (as vx regenerate, into OUT/regenerated.jsonl) and each regenerated conversation's states are captured as soon as it is committed, the two engines running side by side. With --data-parallel-size/--gpus each engine slot does this for its share of the prompts. The generation options below apply.")] = False,
+    regenerate: Annotated[bool, typer.Option(help="One pass: the target first writes every assistant turn (as vx regenerate, into OUT/regenerated.jsonl) and each regenerated conversation's states are captured as soon as it is committed, the two engines running side by side. With --data-parallel-size/--gpus each engine slot does this for its share of the prompts. With -o s3://... the text goes to S3 before its states, and a rerun anywhere continues from S3. The generation options below apply.")] = False,
     turns: RG.Turns = "all",
     temperature: RG.Temperature = 0.0,
     top_p: RG.TopP = 1.0,
@@ -146,7 +146,7 @@ def _print_summary(s, report) -> None:
         r = s.regenerated
         print(f"regenerated  {r.get('conversations', 0):,} conversations, {r.get('turns', 0):,} turns, "
               f"{r.get('generated_tokens', 0):,} tokens generated, {r.get('truncated', 0):,} truncated, "
-              f"{r.get('skipped', 0):,} already committed (OUT/regenerated.jsonl)")
+              f"{r.get('skipped', 0):,} already committed ({r.get('output') or 'OUT/regenerated.jsonl'})")
     print(f"backend      {s.backend}")
     print(f"samples      {s.samples:,} extracted, {s.resumed_samples:,} already committed, {s.errors:,} bad records "
           f"(see errors.jsonl)")

@@ -89,10 +89,11 @@ def prepare_root(cfg: ExtractConfig, job: Job) -> None:
 
 
 def run_extract(cfg: ExtractConfig, progress: bool | None = None, reporter=None, source=None,
-                started=None) -> Summary:
+                started=None, before_publish=None) -> Summary:
     """One process, one engine: the whole dataset, or one partition of it (cfg.partition_index).
     source: another input than cfg.data as read (vx/pipeline/one_pass.py follows a regeneration);
-    started(): called before the first sample, once the vLLM engine has started (hf: before its load)."""
+    started(): called before the first sample, once the vLLM engine has started (hf: before its load);
+    before_publish(): with -o s3://, called before new shards are published (vx/store/uploader.py)."""
     t0 = time.perf_counter()
     job = prepare_job(cfg, source)
     if cfg.strict and not cfg.plan_file:  # a launcher (which hands out plan files) checked it once
@@ -106,7 +107,8 @@ def run_extract(cfg: ExtractConfig, progress: bool | None = None, reporter=None,
     out.reset_or_sync(cfg.overwrite)
     elsewhere = root.committed_elsewhere(exclude=out)  # other partitions, of this run or an earlier one
     with out.lock():
-        return _extract_locked(cfg, job, out, lines, elsewhere, progress, reporter, t0, root, started)
+        return _extract_locked(cfg, job, out, lines, elsewhere, progress, reporter, t0, root, started,
+                               before_publish)
 
 
 def _retainer(cfg: ExtractConfig, out: Output, root: Output, budget: int):
@@ -120,7 +122,7 @@ def _retainer(cfg: ExtractConfig, out: Output, root: Output, budget: int):
 
 
 def _extract_locked(cfg, job, out: Output, lines, elsewhere, progress, reporter, t0, root=None,
-                    started=None) -> Summary:
+                    started=None, before_publish=None) -> Summary:
     meta, info, layer_ids = job.meta, job.info, job.layer_ids
     state = out.open(meta, cfg.overwrite)
     out.begin_run()
@@ -135,7 +137,7 @@ def _extract_locked(cfg, job, out: Output, lines, elsewhere, progress, reporter,
     shard_args = (shard_meta, int(cfg.shard_size_mb * 1e6), state.next_shard, info.hidden_size, cfg.store_dtype,
                   max_local, cfg.compress)
     errors = ErrorLog(cfg.output)
-    uploader = out.uploader(cfg.keep_local or retain is not None, max_local)
+    uploader = out.uploader(cfg.keep_local or retain is not None, max_local, before_publish)
     retainer = _retainer(cfg, out, root or out, retain) if retain is not None else None
     total = len(lines) if lines is not None else job.source.count()
     total = None if total is None else max(0, total - len(state.committed_ids))

@@ -36,8 +36,8 @@ from pathlib import Path
 
 from vx.errors import UsageError, VxError, raise_if_stopped
 from vx.pipeline.regeneration import LATER, Regeneration
+from vx.store.format import GENERATION, REGENERATED
 
-REGENERATED = "regenerated.jsonl"
 GPU_SHARE = 0.45  # each engine's default --gpu-memory-utilization when both share a GPU
 
 
@@ -94,12 +94,10 @@ def max_model_len(cfg, job=None, plan: Path | None = None) -> int:
     return min(want, limit - TAIL) if limit else want
 
 
-GENERATION = "regenerate.json"  # OUT/regenerate.json: how OUT/regenerated.jsonl was generated
-
-
 def check_rerun(cfg, out: Path) -> None:
-    """The generation options are part of the output: a rerun continues only with the same ones
-    (--overwrite starts the conversations over, with the states)."""
+    """The generation options are part of the output (OUT/regenerate.json, and in S3 with -o s3://):
+    a rerun continues only with the same ones (--overwrite starts the conversations over, with the
+    states)."""
     from vx.data.generation import generation_json
     from vx.store.lock import write_atomically
 
@@ -114,14 +112,45 @@ def check_rerun(cfg, out: Path) -> None:
         for name in (REGENERATED, REGENERATED + ".committed", REGENERATED + ".errors.jsonl", GENERATION):
             (out / name).unlink(missing_ok=True)
         shutil.rmtree(parts_dir(out / REGENERATED), ignore_errors=True)
-    elif path.exists():
+    elif path.exists() or (cfg.upload and _fetch(cfg, GENERATION, path)):
         before = json.loads(path.read_text())
         changed = sorted(k for k in opts if before.get(k) != opts[k])
         if changed:
-            raise UsageError(f"{out} was regenerated with other {', '.join('--' + k.replace('_', '-') for k in changed)} "
+            raise UsageError(f"{cfg.upload or out} was regenerated with other {', '.join('--' + k.replace('_', '-') for k in changed)} "
                              f"({', '.join(f'{k}={before.get(k)!r}' for k in changed)}); rerun with those, or "
                              "--overwrite to start over")
     write_atomically(path, json.dumps(opts, indent=1) + "\n")
+    if cfg.upload:  # from now on the S3 prefix holds this output (a rerun there keeps its staging)
+        from vx.s3_client import parse_s3_url
+        from vx.store.s3 import put_file
+
+        put_file(parse_s3_url(cfg.upload), cfg.endpoint_url, path, GENERATION)
+
+
+def _fetch(cfg, name: str, dest: Path) -> bool:
+    """The S3 output's file `name` into dest (a rerun on another machine); False when there is none."""
+    from botocore.exceptions import ClientError
+
+    from vx.s3_client import make_client, parse_s3_url
+    from vx.store.lock import write_atomically
+
+    target = parse_s3_url(cfg.upload)
+    try:
+        body = make_client(cfg.endpoint_url).get_object(Bucket=target.bucket, Key=target.key(name))["Body"].read()
+    except ClientError:
+        return False
+    write_atomically(dest, body)
+    return True
+
+
+def text_in_s3(cfg, path: Path, part: str = "all"):
+    """With -o s3://: the regenerated text's keeper in S3 (vx/pipeline/regenerated_text.py), else None."""
+    if not cfg.upload:
+        return None
+    from vx.pipeline.regenerated_text import RegeneratedText
+    from vx.s3_client import parse_s3_url
+
+    return RegeneratedText(parse_s3_url(cfg.upload), cfg.endpoint_url, path, part, Path(cfg.output) / GENERATION)
 
 
 def cpu_layout() -> tuple[tuple[list[int], list[int]] | None, bool]:
@@ -155,19 +184,28 @@ def run_one_pass(cfg, progress: bool | None = None, reporter=None):
     if cfg.ray or (cfg.partitioned and not cfg.plan_file):
         raise UsageError("--regenerate runs on one node for now (one engine, or --data-parallel-size/--gpus): "
                          "drop --ray/--num-partitions/--partition-index")
-    if cfg.upload:  # the regenerated text would stay in local staging, apart from the states in S3
-        raise UsageError("--regenerate writes a local output for now: give a local -o (and copy it to S3 "
-                         "after), or run vx regenerate, then vx extract -o s3://...")
     if cfg.data_parallel_size > 1:
         from vx.pipeline.one_pass_parallel import run_one_pass_parallel
 
         return run_one_pass_parallel(cfg, progress)
     out = Path(cfg.output)
+    if cfg.upload and not cfg.partitioned:  # the staging in line with S3 before anything is written there
+        from vx.s3_client import parse_s3_url  # (a worker's launcher did it, and the rest of this block, once)
+        from vx.store.output import Output
+        from vx.store.s3 import preflight
+
+        preflight(parse_s3_url(cfg.upload), cfg.endpoint_url)  # endpoint, credentials, bucket: one line, first
+        Output.of(cfg).reset_or_sync(cfg.overwrite)
     out.mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(exist_ok=True)
     followed = regenerated_path(cfg)
-    if not cfg.partitioned:  # a worker's launcher checked the options and computed max_model_len once
+    text = text_in_s3(cfg, followed, followed.stem if cfg.partitioned else "all")
+    if not cfg.partitioned:
         check_rerun(cfg, out)
+        if text is not None and not cfg.overwrite:  # before the regeneration reads what its output holds
+            from vx.regenerate.output import parts_dir
+
+            text.restore(tuple(parts_dir(out / REGENERATED).glob("part-*.jsonl")))
     split, after_end = cpu_layout()
     gen_env = pin_env(split[0]) if split else {}
     from vx.device import cuda_available
@@ -195,16 +233,21 @@ def run_one_pass(cfg, progress: bool | None = None, reporter=None):
         # on the same cores (CPU runs eager by default: nothing to compile before the first batch)
         s = run_extract(replace(cfg, data=str(followed), regenerate=False, warm_up=not after_end,
                                 max_model_len=cfg.max_model_len + TAIL), progress=progress, reporter=reporter,
-                        source=source, started=regen.release)  # a held regeneration generates once this engine has started
+                        source=source, started=regen.release,  # a held regeneration generates once this engine has started
+                        before_publish=text.sync if text is not None else None)  # text in S3 before its states
         raise_if_stopped()  # a stop a library swallowed came back as the capture's end: never release then
         regen.release()  # (a capture with nothing left to do starts no engine)
         regen.wait()  # raises if it failed after its last commit
+        if text is not None and not cfg.partitioned:  # a launcher finishes the merged file
+            text.finish()
     finally:
         regen.stop()
         os.sched_setaffinity(0, cores)
         os.environ.clear()
         os.environ.update(env)
     s.regenerated = regen.summary
+    if text is not None and s.regenerated and not cfg.partitioned:
+        s.regenerated["output"] = f"{cfg.upload.rstrip('/')}/{REGENERATED}"
     return s
 
 

@@ -39,7 +39,7 @@ def run_one_pass_parallel(cfg, progress: bool | None = None):
     from vx.launch.workers import Tally, failed_partitions, run_workers, spawn_worker, worker_slots
     from vx.monitor.flops import mfu_terms
     from vx.monitor.progress import RunProgress
-    from vx.pipeline.one_pass import REGENERATED, check_rerun, max_model_len
+    from vx.pipeline.one_pass import REGENERATED, check_rerun, max_model_len, text_in_s3
     from vx.regenerate.output import merge_parts, parts_dir
 
     t0 = time.perf_counter()
@@ -50,6 +50,9 @@ def run_one_pass_parallel(cfg, progress: bool | None = None):
         check_dataset(cfg, job)
     prepare_root(cfg, job)
     check_rerun(cfg, out)
+    text = text_in_s3(cfg, out / REGENERATED)  # -o s3://: each worker puts its part's text, this the merged file
+    if text is not None and not cfg.overwrite:
+        text.restore(tuple(parts_dir(out / REGENERATED).glob("part-*.jsonl")))
     plan_file, balance = make_plan(cfg, job)
     if not cfg.max_model_len:  # once, for every worker's two engines
         cfg = replace(cfg, max_model_len=max_model_len(cfg, job, Path(plan_file)))
@@ -82,10 +85,13 @@ def run_one_pass_parallel(cfg, progress: bool | None = None):
         for log in parts_dir(out / REGENERATED).glob("*.vllm.log"):
             log.replace(logs / f"regenerate-{log.name.removesuffix('.jsonl.vllm.log')}.vllm.log")
         shutil.rmtree(parts_dir(out / REGENERATED), ignore_errors=True)
+        if text is not None:
+            text.finish()
     s = combine(cfg, job.backend, results, time.perf_counter() - t0, time.perf_counter() - t_start, balance)
     s.set_mfu(terms, bar.meter)
     s.regenerated = {k: sum((r.get("regenerated") or {}).get(k, 0) for r in results.values()) for k in SUM}
-    s.regenerated.update(output=str(out / REGENERATED), conversations_in_output=merged["conversations"])
+    where = f"{cfg.upload.rstrip('/')}/{REGENERATED}" if text is not None else str(out / REGENERATED)
+    s.regenerated.update(output=where, conversations_in_output=merged["conversations"])
     return s
 
 

@@ -166,7 +166,13 @@ READERS = ".vx-readers"     # follow readers' consumption records: rank-R-of-W.j
 DROPPED = "dropped.jsonl"   # shards deleted by --retain-gb once consumed: one {"shard": name} per line
 PROGRESS = "progress.json"  # each writer's latest figures (vx/store/progress_log.py), every few seconds
 HISTORY = "progress.jsonl"  # and every snapshot it took, appended: vx inspect --plot
-RETAIN = "retain.json"
+RETAIN = "retain.json"       # at the root while --retain-gb holds: {"retain_gb": G, "writers": P}
 # the files of a run at the top of an output (or partition) directory, beside its shards: what
 # --overwrite deletes, here and under the S3 prefix
-RUN_FILES = (MANIFEST, ERRORS, RUN_META, END, DROPPED, PROGRESS, HISTORY)      # at the root while --retain-gb holds: {"retain_gb": G, "writers": P}
+RUN_FILES = (MANIFEST, ERRORS, RUN_META, END, DROPPED, PROGRESS, HISTORY)
+# `vx extract --regenerate`'s conversations, at the root (vx/pipeline/one_pass.py); under an S3
+# prefix also in segments while runs go on (vx/pipeline/regenerated_text.py)
+REGENERATED = "regenerated.jsonl"
+GENERATION = "regenerate.json"  # how they were generated: a rerun continues only with the same options
+TEXT_SEGMENTS = REGENERATED + ".d"
+TEXT_FILES = (REGENERATED, REGENERATED + ".errors.jsonl", GENERATION)

@@ -203,13 +203,13 @@ class Output:
 
             put_file(self.target, self.endpoint_url, self.local / name, name)
 
-    def uploader(self, keep_local: bool, max_local_bytes: int | None):
+    def uploader(self, keep_local: bool, max_local_bytes: int | None, before_publish=None):
         if self.target is None:
             return None
         from vx.store.uploader import Uploader
 
         return Uploader(self.local, self.target, self.endpoint_url, keep_local=keep_local,
-                        max_local_bytes=max_local_bytes).start()
+                        max_local_bytes=max_local_bytes, before_publish=before_publish).start()
 
 
 def check_identity(out: Path, meta: dict) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from vx.errors import UsageError
 from vx.s3_client import S3Target, make_client
-from vx.store.format import DROPPED, END, ERRORS, MANIFEST, READERS, RUN_FILES, RUN_META
+from vx.store.format import DROPPED, MANIFEST, READERS, RUN_FILES, RUN_META, TEXT_FILES, TEXT_SEGMENTS
 from vx.store.lock import write_atomically
 
 
@@ -108,7 +108,8 @@ def remote_has_extraction(target: S3Target, endpoint_url: str | None) -> bool:
 
 
 def layout_names(client, target: S3Target):
-    """(key, name relative to the prefix) of every vx file under target: root and part-*/ files."""
+    """(key, name relative to the prefix) of every vx file under target: root and part-*/ files,
+    follow readers' records and the one-pass mode's regenerated text."""
     from vx.store.format import PART_RE
 
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=target.bucket, Prefix=target.key("")):
@@ -118,6 +119,8 @@ def layout_names(client, target: S3Target):
             if (not head or PART_RE.match(head)) and (base.startswith("shard-") or base in RUN_FILES):
                 yield obj["Key"], name
             elif head == READERS:  # follow readers' records: --overwrite starts a new stream
+                yield obj["Key"], name
+            elif (not head and base in TEXT_FILES) or head == TEXT_SEGMENTS:  # the one-pass mode's text
                 yield obj["Key"], name
 
 

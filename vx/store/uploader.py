@@ -63,17 +63,22 @@ class Uploader:
     """Tails out/manifest.jsonl and mirrors committed shards to S3 (a thread in the driver)."""
 
     def __init__(self, out: Path, target: S3Target, endpoint_url: str | None, keep_local: bool = False,
-                 max_local_bytes: int | None = None, part_mb: int | None = None, concurrency: int = 8):
+                 max_local_bytes: int | None = None, part_mb: int | None = None, concurrency: int = 8,
+                 before_publish=None):
         from boto3.s3.transfer import TransferConfig
 
         part_mb = part_mb or int(os.environ.get("VX_S3_PART_MB", "64"))  # S3's least is 5 (MiB)
 
         self.out, self.target, self.keep_local = Path(out), target, keep_local
         self.max_local_bytes = max_local_bytes
+        # called before an S3 manifest with new shards is published: what must be in S3 before
+        # those states are (the one-pass mode's regenerated text, vx/pipeline/regenerated_text.py)
+        self.before_publish = before_publish
         self.client = make_client(endpoint_url)
         self.transfer = TransferConfig(multipart_threshold=part_mb << 20, multipart_chunksize=part_mb << 20,
                                        max_concurrency=concurrency)
         self.uploaded: list[dict] = self._remote_manifest()
+        self._announced = len(self.uploaded)  # shards before_publish was called for
         self._done = {r["shard"] for r in self.uploaded}
         if not keep_local:  # a crash between the S3 manifest flush and the local delete left these
             for name in self._done:
@@ -170,6 +175,9 @@ class Uploader:
 
     def _flush(self) -> None:
         """Publish the S3 manifest (only verified shards), errors and vx.json; then free local disk."""
+        if self.before_publish is not None and len(self.uploaded) > self._announced:
+            self.before_publish()
+            self._announced = len(self.uploaded)
         body = "".join(json.dumps(r) + "\n" for r in self.uploaded).encode()
         faults.point("before-s3-manifest")
         self.client.put_object(Bucket=self.target.bucket, Key=self.target.key(MANIFEST), Body=body)

@@ -1,0 +1,182 @@
+"""The regenerated conversations of `vx extract --regenerate -o s3://...`, kept in S3 with their states.
+
+S3 is the truth of an output there; the local directory is only staging (vx/store/output.py). A
+rerun on another machine must find the text of every conversation whose states S3 holds: without
+it, the regeneration would write new text for conversations whose old states the capture skips.
+
+- sync(), before each S3 manifest that publishes new shards (vx/store/uploader.py): the followed
+  file's committed bytes not yet in S3 go up as one segment,
+  PREFIX/regenerated.jsonl.d/<time_ns>-<part>-<nonce>.jsonl. Every published state is then of
+  text already in S3.
+- restore(), before the regeneration starts: the segments in key order, a later line of a
+  conversation replacing an earlier one (a conversation is regenerated only while none of its
+  states is committed, so the latest text of a committed conversation is its states'). For every
+  conversation with states in S3, the local text becomes S3's; then the result goes up as one
+  segment and the older segments are deleted (a crash between the two leaves both: the later wins).
+- finish(), once every partition is done: the whole file as one segment (the older ones deleted),
+  and a copy as PREFIX/regenerated.jsonl, what users read.
+
+Segments sort by the writer's clock: runs of one output follow each other (a rerun starts after a
+crash), not at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from vx import faults
+from vx.data.follow import COMMITTED, committed_bytes
+from vx.store.format import GENERATION, REGENERATED, TEXT_SEGMENTS
+from vx.store.lock import write_atomically
+
+
+def _id(line: bytes) -> str:
+    return str(json.loads(line)["id"])
+
+
+def _lines(data: bytes) -> list[bytes]:
+    return [raw + b"\n" for raw in data.split(b"\n") if raw.strip()]
+
+
+class RegeneratedText:
+    """The regenerated text of one S3 output (target: its root prefix), followed at `path` (the
+    root's regenerated.jsonl, or a partition's part) by this process."""
+
+    def __init__(self, target, endpoint_url: str | None, path: Path, part: str = "all",
+                 generation: Path | None = None):
+        from vx.s3_client import make_client
+
+        self.target, self.path, self.part = target, Path(path), part
+        self.generation = generation  # the root's regenerate.json: put to S3 with the first segment
+        self.client = make_client(endpoint_url)
+        self.endpoint_url = endpoint_url
+        self.offset = 0  # bytes of path already in S3
+        self._nonce = uuid.uuid4().hex[:8]
+
+    # -- segments ----------------------------------------------------------------------------------
+    def _segments(self) -> list[str]:
+        keys = []
+        for page in self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.target.bucket, Prefix=self.target.key(TEXT_SEGMENTS + "/")):
+            keys += [o["Key"] for o in page.get("Contents", [])]
+        return sorted(keys)
+
+    def _put_segment(self, body: bytes) -> str:
+        if self.generation is not None and self.generation.exists():  # how the text was generated, first
+            from vx.store.s3 import put_file
+
+            put_file(self.target, self.endpoint_url, self.generation, GENERATION)
+            self.generation = None
+        key = self.target.key(f"{TEXT_SEGMENTS}/{time.time_ns():020d}-{self.part}-{self._nonce}.jsonl")
+        faults.point("before-text-segment")
+        self.client.put_object(Bucket=self.target.bucket, Key=key, Body=body)
+        return key
+
+    def _compact(self, body: bytes) -> None:
+        """body as one segment, then every older segment deleted."""
+        older = self._segments()
+        self._put_segment(body)
+        faults.point("after-text-compact")
+        for i in range(0, len(older), 1000):
+            self.client.delete_objects(Bucket=self.target.bucket,
+                                       Delete={"Objects": [{"Key": k} for k in older[i:i + 1000]]})
+
+    def sync(self) -> None:
+        """The committed bytes of path not yet in S3, as one segment (the uploader's before_publish)."""
+        end = committed_bytes(self.path)
+        if end <= self.offset:
+            return
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            body = f.read(end - self.offset)
+        self._put_segment(body)
+        self.offset = end
+
+    # -- before a run ------------------------------------------------------------------------------
+    def restore(self, parts: tuple[Path, ...] = ()) -> int:
+        """Make the local text S3's for every conversation whose states S3 holds (appended to path,
+        conflicting lines dropped from path and `parts`); returns how many were added. Raises when
+        S3 holds states of a conversation without its text."""
+        from vx.errors import VxError
+        from vx.store.s3 import remote_committed_ids
+
+        segments = self._segments()
+        committed = remote_committed_ids(self.target, self.endpoint_url, exclude=None)
+        if not segments and not committed:
+            return 0
+        text: dict[str, bytes] = {}
+        for key in segments:  # later segments replace earlier lines
+            for line in _lines(self.client.get_object(Bucket=self.target.bucket, Key=key)["Body"].read()):
+                text[_id(line)] = line
+        missing = committed - text.keys()
+        if missing:
+            raise VxError(f"{self.target} holds the states of {len(missing)} conversations but not their regenerated "
+                          f"text (first {sorted(missing)[0]!r}); rerun with --overwrite to start over")
+        want = {i: text[i] for i in committed}
+        have: set[str] = set()
+        for p in [*parts, self.path]:
+            have |= _keep_only(p, want)
+        added = [want[i] for i in sorted(want.keys() - have)]
+        if added:
+            _append(self.path, b"".join(added))
+            print(f"vx: {len(added)} regenerated conversations with states in {self.target} restored from it",
+                  file=sys.stderr)
+        body = self.path.read_bytes() if self.path.exists() else b""
+        self._compact(body)
+        self.offset = len(body)
+        return len(added)
+
+    # -- after the run -----------------------------------------------------------------------------
+    def finish(self) -> None:
+        """The whole file as one segment, and PREFIX/regenerated.jsonl (with its errors) for users."""
+        from vx.store.s3 import put_file
+
+        body = self.path.read_bytes()
+        self._compact(body)
+        self.offset = len(body)
+        put_file(self.target, self.endpoint_url, self.path, REGENERATED)
+        errors = self.path.with_name(self.path.name + ".errors.jsonl")
+        if errors.exists():
+            put_file(self.target, self.endpoint_url, errors, errors.name)
+
+
+def _keep_only(path: Path, want: dict[str, bytes]) -> set[str]:
+    """Drop the lines of path that S3 holds another text of (rewritten atomically, only when one
+    differs); returns the ids of path's lines that agree with S3."""
+    from vx.regenerate.output import truncate_torn
+
+    if not path.exists():
+        return set()
+    truncate_torn(path)
+    lines = _lines(path.read_bytes())
+    keep = [line for line in lines if (i := _id(line)) not in want or want[i] == line]
+    if len(keep) < len(lines):
+        print(f"vx: {len(lines) - len(keep)} regenerated conversations in {path} differ from the text of their "
+              "states in S3; S3's kept", file=sys.stderr)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(b"".join(keep))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _mark(path)
+    return {i for line in keep if (i := _id(line)) in want}
+
+
+def _append(path: Path, body: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "ab") as f:
+        f.write(body)
+        f.flush()
+        os.fsync(f.fileno())
+    _mark(path)
+
+
+def _mark(path: Path) -> None:
+    """path's committed size (what a following reader reads up to, vx/data/follow.py)."""
+    write_atomically(path.with_name(path.name + COMMITTED), str(path.stat().st_size))
