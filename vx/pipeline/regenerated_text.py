@@ -105,8 +105,10 @@ class RegeneratedText:
         from vx.errors import VxError
         from vx.store.s3 import remote_committed_ids
 
-        segments = self._segments()
+        # the committed ids first: a state is published only after its text, so every segment a
+        # committed conversation's text is in is listed by the time the segments are
         committed = remote_committed_ids(self.target, self.endpoint_url, exclude=None)
+        segments = self._segments()
         if not segments and not committed:
             return 0
         text: dict[str, bytes] = {}
