@@ -49,6 +49,35 @@ def test_partitions_run_as_ray_tasks_and_a_killed_one_is_retried_exactly_once(ra
     assert verify.returncode == 0 and json.loads(verify.stdout)["ok"], verify.stdout
 
 
+def test_the_one_pass_mode_on_ray_keeps_each_conversations_text_in_s3_with_its_states(ray_cluster, s3_server,  # noqa: F811
+                                                                                      tmp_path, tokenizer):
+    """`vx extract --regenerate --ray`: each partition's regeneration and capture as one Ray task,
+    the text to S3 before its states; one task killed once mid-capture and retried by Ray. The
+    driver builds prefix/regenerated.jsonl from S3's text: every conversation once, each one's
+    stored ids its text's (the tokenizer's own rendering)."""
+    url, client = s3_server
+    marker = tmp_path / "killed-once"
+    env = dict(CREDS, VX_FAULT="after-batch:2", VX_FAULT_PARTITION="1", VX_FAULT_ONCE=str(marker))
+    r = vx_cmd("extract", CHAT, "-o", "s3://vx-out/ray-one", "--endpoint-url", url, "--regenerate", "--backend", "hf",
+               "--max-tokens", "8", "--batch-size", "4", "--shard-size", "0.05", "--ray", "--ray-address", ray_cluster,
+               "--num-partitions", "2", "--json", env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert marker.exists(), "the fault never fired"
+    s = json.loads(r.stdout)
+    assert [p["attempts"] for p in s["partitions"]] == [1, 2]
+    assert s["regenerated"]["output"] == "s3://vx-out/ray-one/regenerated.jsonl"
+    download(client, "vx-out", "ray-one", tmp_path / "copy")
+    records = [json.loads(line) for line in open(CHAT) if line.strip()]
+    want = sorted(r["id"] for r in records if "messages" in r or "conversations" in r)
+    convs = [json.loads(line) for line in (tmp_path / "copy" / "regenerated.jsonl").read_text().splitlines() if line]
+    assert sorted(c["id"] for c in convs) == want
+    ds = vx.open_dataset(tmp_path / "copy")
+    assert sorted(ds.ids) == want
+    for c in convs:
+        rendered = tokenizer.apply_chat_template(c["messages"], tokenize=False)
+        assert ds[c["id"]]["input_ids"].tolist() == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
 def test_a_partition_out_of_retries_under_a_retain_bound_cancels_the_others_instead_of_waiting_for_them(
         ray_cluster, tmp_path):
     """As with --dp (test_follow): under --retain-gb the other partition's writer waits at its bound

@@ -32,13 +32,16 @@ from vx.monitor.flops import mfu_terms
 from vx.monitor.progress import RunProgress
 
 
-def run_ray(cfg: ExtractConfig, progress: bool | None = None):
-    """Every partition as a Ray task; returns the combined Summary (with the node of each)."""
+def run_ray(cfg: ExtractConfig, progress: bool | None = None, worker: str = WORKER, prepare=None, finish=None):
+    """Every partition as a Ray task; returns the combined Summary (with the node of each).
+    worker: each task's module (the one-pass mode's, vx/pipeline/one_pass_parallel.py);
+    prepare(cfg, job, plan_file) -> cfg before the tasks start, finish(cfg, results, summary) ->
+    summary once all are done."""
     with contextlib.redirect_stdout(sys.stderr):  # Ray's notices (task retried, ...) are logs, not results
-        return _run_ray(cfg, progress)
+        return _run_ray(cfg, progress, worker, prepare, finish)
 
 
-def _run_ray(cfg: ExtractConfig, progress: bool | None):
+def _run_ray(cfg: ExtractConfig, progress: bool | None, worker: str, prepare, finish):
     require_ray()
     from vx.jobs.extract import check_dataset, prepare_job, prepare_root
 
@@ -55,6 +58,8 @@ def _run_ray(cfg: ExtractConfig, progress: bool | None):
     t_plan = time.perf_counter()
     plan_file, balance = make_plan(cfg, job)
     balance["plan_s"] = round(time.perf_counter() - t_plan, 2)
+    if prepare is not None:
+        cfg = prepare(cfg, job, plan_file)
     cpu_share = None
     if not gpus:  # CPU cluster: engines on a node share its memory
         cpu_share = 0.3 / cpus_per_node()
@@ -66,7 +71,7 @@ def _run_ray(cfg: ExtractConfig, progress: bool | None):
     state = "failed"
     try:
         results, failed, attempts = run_tasks(configs, plan_payload(plan_file), tp if gpus else 0, cfg.max_retries,
-                                              Tally(bar, metrics), WORKER, RETAIN_STOP if cfg.retain_gb else None)
+                                              Tally(bar, metrics), worker, RETAIN_STOP if cfg.retain_gb else None)
         state = "failed" if failed else "done"
     finally:
         bar.close(state)
@@ -79,4 +84,4 @@ def _run_ray(cfg: ExtractConfig, progress: bool | None):
     for p in s.partitions:
         p.update(node=results[p["partition"]].get("node"), attempts=attempts.get(p["partition"], 1))
     s.set_mfu(terms, bar.meter)
-    return s
+    return finish(cfg, results, s) if finish is not None else s

@@ -79,7 +79,8 @@ def max_model_len(cfg, job=None, plan: Path | None = None) -> int:
     from vx.jobs.extract import engine_max_model_len, prepare_job
 
     job = job or prepare_job(cfg)
-    longest = engine_max_model_len(cfg, job, plan) or 2  # the input's plan, kept in OUT for reruns
+    whole = cfg if plan is not None else replace(cfg, partition_index=None, num_partitions=1)  # no plan: the whole input's
+    longest = engine_max_model_len(whole, job, plan) or 2  # the input's plan, kept in OUT for reruns
     turns = 1
     if cfg.turns == "all":
         for row in Input(cfg.data, cfg.endpoint_url).rows():
@@ -181,16 +182,18 @@ def run_one_pass(cfg, progress: bool | None = None, reporter=None):
     from vx.data.follow import FollowingInput
     from vx.jobs.extract import run_extract
 
-    if cfg.ray or (cfg.partitioned and not cfg.plan_file):
-        raise UsageError("--regenerate runs on one node for now (one engine, or --data-parallel-size/--gpus): "
-                         "drop --ray/--num-partitions/--partition-index")
+    if cfg.ray:
+        from vx.pipeline.one_pass_parallel import run_one_pass_ray
+
+        return run_one_pass_ray(cfg, progress)
     if cfg.data_parallel_size > 1:
         from vx.pipeline.one_pass_parallel import run_one_pass_parallel
 
         return run_one_pass_parallel(cfg, progress)
     out = Path(cfg.output)
-    if cfg.upload and not cfg.partitioned:  # the staging in line with S3 before anything is written there
-        from vx.s3_client import parse_s3_url  # (a worker's launcher did it, and the rest of this block, once)
+    alone = not cfg.plan_file  # no launcher (one engine, or --partition-index): what a launcher does once, here
+    if cfg.upload and alone:  # the staging in line with S3 before anything is written there
+        from vx.s3_client import parse_s3_url
         from vx.store.output import Output
         from vx.store.s3 import preflight
 
@@ -200,12 +203,15 @@ def run_one_pass(cfg, progress: bool | None = None, reporter=None):
     (out / "logs").mkdir(exist_ok=True)
     followed = regenerated_path(cfg)
     text = text_in_s3(cfg, followed, followed.stem if cfg.partitioned else "all")
-    if not cfg.partitioned:
+    if alone:
         check_rerun(cfg, out)
-        if text is not None and not cfg.overwrite:  # before the regeneration reads what its output holds
-            from vx.regenerate.output import parts_dir
+    if text is not None and not cfg.overwrite:  # before the regeneration reads what its output holds
+        from vx.regenerate.output import parts_dir
 
-            text.restore(tuple(parts_dir(out / REGENERATED).glob("part-*.jsonl")))
+        if cfg.partitioned:  # into the root's file, which the partition's regeneration counts as done;
+            text.restore(out / REGENERATED, (followed,), compact=False)  # other partitions may be writing
+        else:
+            text.restore(followed, tuple(parts_dir(out / REGENERATED).glob("part-*.jsonl")))
     split, after_end = cpu_layout()
     gen_env = pin_env(split[0]) if split else {}
     from vx.device import cuda_available
@@ -246,7 +252,11 @@ def run_one_pass(cfg, progress: bool | None = None, reporter=None):
         os.environ.clear()
         os.environ.update(env)
     s.regenerated = regen.summary
-    if text is not None and s.regenerated and not cfg.partitioned:
+    if cfg.partitioned and alone and s.regenerated is not None:  # --partition-index: the last one merges
+        from vx.pipeline.one_pass_parallel import merge_when_complete
+
+        s.regenerated.update(merge_when_complete(cfg))
+    elif text is not None and s.regenerated and not cfg.partitioned:
         s.regenerated["output"] = f"{cfg.upload.rstrip('/')}/{REGENERATED}"
     return s
 

@@ -1,5 +1,5 @@
 """`vx extract DATA -o OUT --regenerate --data-parallel-size N` (or --gpus): the one-pass job on
-N engine slots of this node.
+N engine slots of this node; with --ray, on a Ray cluster's engines.
 
 The launcher does once what `vx extract --data-parallel-size` does (vx/jobs/data_parallel.py):
 the output's identity, the token-balanced partition plan, the engines' max_model_len; and it
@@ -10,6 +10,12 @@ OUT/regenerated.jsonl.parts/part-i-of-P.jsonl and its capture follows that file 
 OUT/part-i-of-P/, both engines on the slot's GPUs (or cores). When every partition is done the
 launcher merges the parts into OUT/regenerated.jsonl (each conversation once,
 vx/regenerate/output.py), not before: a capture reads its part to the end.
+
+With --ray each partition is a Ray task on any node (vx/jobs/ray_cluster.py). A task restores
+from S3 the text of what S3 holds states of before its regeneration starts (a retried task lands
+on a node without its part), and puts its part's text to S3 before its states
+(vx/pipeline/regenerated_text.py); the driver then builds OUT/regenerated.jsonl from S3's text
+(or, with a local -o on a shared filesystem, from the parts).
 
 Exactly once, as for one engine: a partition's regeneration skips what its part (or the merged
 file) holds, its capture what any partition's manifest holds; a rerun of the same command after
@@ -23,6 +29,8 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+
+from vx.store.format import REGENERATED
 
 WORKER = "vx.pipeline.one_pass_parallel"  # `python -m vx.pipeline.one_pass_parallel CONFIG`: one partition
 SUM = ("conversations", "turns", "generated_tokens", "truncated", "dropped", "errors", "skipped")
@@ -39,8 +47,6 @@ def run_one_pass_parallel(cfg, progress: bool | None = None):
     from vx.launch.workers import Tally, failed_partitions, run_workers, spawn_worker, worker_slots
     from vx.monitor.flops import mfu_terms
     from vx.monitor.progress import RunProgress
-    from vx.pipeline.one_pass import REGENERATED, check_rerun, max_model_len, text_in_s3
-    from vx.regenerate.output import merge_parts, parts_dir
 
     t0 = time.perf_counter()
     slots = worker_slots(cfg)
@@ -49,13 +55,8 @@ def run_one_pass_parallel(cfg, progress: bool | None = None):
     if cfg.strict:
         check_dataset(cfg, job)
     prepare_root(cfg, job)
-    check_rerun(cfg, out)
-    text = text_in_s3(cfg, out / REGENERATED)  # -o s3://: each worker puts its part's text, this the merged file
-    if text is not None and not cfg.overwrite:
-        text.restore(tuple(parts_dir(out / REGENERATED).glob("part-*.jsonl")))
     plan_file, balance = make_plan(cfg, job)
-    if not cfg.max_model_len:  # once, for every worker's two engines
-        cfg = replace(cfg, max_model_len=max_model_len(cfg, job, Path(plan_file)))
+    cfg = prepare_text(cfg, job, plan_file)
     cpu_share = None if "CUDA_VISIBLE_DEVICES" in slots[0] else 0.15 / len(slots)  # two engines a slot
     logs = out / LOG_DIR
     logs.mkdir(parents=True, exist_ok=True)
@@ -80,19 +81,87 @@ def run_one_pass_parallel(cfg, progress: bool | None = None):
             metrics.close()
     if failed:
         raise failed_partitions(failed, cfg.num_partitions, "", "Every committed conversation and shard is kept")
-    merged = merge_parts(out / REGENERATED, cfg.num_partitions)
-    if merged["complete"]:  # what is left there: the parts' commit marks, locks and engine logs
-        for log in parts_dir(out / REGENERATED).glob("*.vllm.log"):
-            log.replace(logs / f"regenerate-{log.name.removesuffix('.jsonl.vllm.log')}.vllm.log")
-        shutil.rmtree(parts_dir(out / REGENERATED), ignore_errors=True)
-        if text is not None:
-            text.finish()
     s = combine(cfg, job.backend, results, time.perf_counter() - t0, time.perf_counter() - t_start, balance)
     s.set_mfu(terms, bar.meter)
+    return finish_text(cfg, results, s, here=True)
+
+
+def run_one_pass_ray(cfg, progress: bool | None = None):
+    """`vx extract --regenerate --ray`: every partition's one-pass job as a Ray task
+    (vx/jobs/ray_cluster.py), then one regenerated JSONL: from S3's text with -o s3://, else from
+    the parts on the shared filesystem."""
+    from vx.jobs.ray_cluster import run_ray
+
+    return run_ray(cfg, progress, worker=WORKER, prepare=prepare_text,
+                   finish=lambda c, results, s: finish_text(c, results, s, here=False))
+
+
+def prepare_text(cfg, job, plan_file):
+    """A launcher's part, once before its workers start: the generation options checked
+    (OUT/regenerate.json), with -o s3:// the text of what S3 holds states of restored and its
+    segments compacted, and both engines' max_model_len. Returns the config the workers get."""
+    from vx.pipeline.one_pass import check_rerun, max_model_len, text_in_s3
+    from vx.regenerate.output import parts_dir
+
+    out = Path(cfg.output)
+    check_rerun(cfg, out)
+    text = text_in_s3(cfg, out / REGENERATED)  # each worker puts its part's text, the launcher the merged file
+    if text is not None and not cfg.overwrite:
+        text.restore(out / REGENERATED, tuple(parts_dir(out / REGENERATED).glob("part-*.jsonl")))
+    if not cfg.max_model_len:  # once, for every worker's two engines
+        cfg = replace(cfg, max_model_len=max_model_len(cfg, job, Path(plan_file)))
+    return cfg
+
+
+def finish_text(cfg, results: dict, s, here: bool):
+    """Once every partition is done: one OUT/regenerated.jsonl (here: from the parts on this node;
+    else from S3's text, or the parts on the shared filesystem), its engine logs moved to OUT/logs,
+    and the regenerations' sums in the Summary."""
+    from vx.engine.logs import LOG_DIR
+    from vx.pipeline.one_pass import text_in_s3
+    from vx.regenerate.output import merge_parts, parts_dir
+
+    out = Path(cfg.output)
+    text = text_in_s3(cfg, out / REGENERATED)
+    if text is not None and not here:
+        merged = {"conversations": text.merge_from_s3(), "complete": True}
+    else:
+        merged = merge_parts(out / REGENERATED, cfg.num_partitions)
+        if merged["complete"]:  # what is left there: the parts' commit marks, locks and engine logs
+            for log in parts_dir(out / REGENERATED).glob("*.vllm.log"):
+                log.replace(out / LOG_DIR / f"regenerate-{log.name.removesuffix('.jsonl.vllm.log')}.vllm.log")
+            shutil.rmtree(parts_dir(out / REGENERATED), ignore_errors=True)
+            if text is not None:
+                text.finish()
     s.regenerated = {k: sum((r.get("regenerated") or {}).get(k, 0) for r in results.values()) for k in SUM}
     where = f"{cfg.upload.rstrip('/')}/{REGENERATED}" if text is not None else str(out / REGENERATED)
     s.regenerated.update(output=where, conversations_in_output=merged["conversations"])
     return s
+
+
+def merge_when_complete(cfg) -> dict:
+    """A --partition-index run: once every partition's capture has ended (its end mark, here or in
+    S3), OUT/regenerated.jsonl from the parts (local) or from S3's text (each partition's node
+    kept its own part). Returns where the text is, and whether this run merged it."""
+    from vx.errors import UsageError
+    from vx.launch.plan import part_name
+    from vx.pipeline.one_pass import text_in_s3
+    from vx.store.output import Output
+
+    root = Output.of(cfg)
+    out = Path(cfg.output) / REGENERATED
+    if not all(root.partition(part_name(i, cfg.num_partitions)).ended() for i in range(cfg.num_partitions)):
+        return {"merged": False, "output": f"{cfg.upload.rstrip('/')}/{REGENERATED}" if cfg.upload else str(out)}
+    if cfg.upload:
+        n = text_in_s3(cfg, out).merge_from_s3()
+        return {"merged": True, "output": f"{cfg.upload.rstrip('/')}/{REGENERATED}", "conversations_in_output": n}
+    from vx.regenerate.output import merge_parts
+
+    try:
+        merged = merge_parts(out, cfg.num_partitions)
+    except UsageError:  # another partition merges now
+        return {"merged": False}
+    return {"merged": merged["complete"], "output": str(out), "conversations_in_output": merged["conversations"]}
 
 
 def worker_main(argv: list[str]) -> int:

@@ -22,6 +22,7 @@ crash), not at once.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -98,42 +99,66 @@ class RegeneratedText:
         self.offset = end
 
     # -- before a run ------------------------------------------------------------------------------
-    def restore(self, parts: tuple[Path, ...] = ()) -> int:
-        """Make the local text S3's for every conversation whose states S3 holds (appended to path,
-        conflicting lines dropped from path and `parts`); returns how many were added. Raises when
-        S3 holds states of a conversation without its text."""
+    def restore(self, into: Path, parts: tuple[Path, ...] = (), compact: bool = True) -> int:
+        """Make the local text S3's for every conversation whose states S3 holds: appended to `into`
+        (the root's regenerated.jsonl, what a regeneration counts as done), conflicting lines
+        dropped from `into` and `parts`; returns how many were added. compact: then the result as
+        one segment and the older ones deleted (only where no other writer of this output runs:
+        its segments would go). Raises when S3 holds states of a conversation without its text."""
         from vx.errors import VxError
         from vx.store.s3 import remote_committed_ids
 
         # the committed ids first: a state is published only after its text, so every segment a
         # committed conversation's text is in is listed by the time the segments are
         committed = remote_committed_ids(self.target, self.endpoint_url, exclude=None)
-        segments = self._segments()
-        if not segments and not committed:
-            return 0
-        text: dict[str, bytes] = {}
-        for key in segments:  # later segments replace earlier lines
-            for line in _lines(self.client.get_object(Bucket=self.target.bucket, Key=key)["Body"].read()):
-                text[_id(line)] = line
+        text = self._latest()
         missing = committed - text.keys()
         if missing:
             raise VxError(f"{self.target} holds the states of {len(missing)} conversations but not their regenerated "
                           f"text (first {sorted(missing)[0]!r}); rerun with --overwrite to start over")
+        if not committed and (not compact or not text):  # nothing to take (a first run: nothing in S3)
+            return 0
         want = {i: text[i] for i in committed}
-        have: set[str] = set()
-        for p in [*parts, self.path]:
-            have |= _keep_only(p, want)
-        added = [want[i] for i in sorted(want.keys() - have)]
-        if added:
-            _append(self.path, b"".join(added))
-            print(f"vx: {len(added)} regenerated conversations with states in {self.target} restored from it",
-                  file=sys.stderr)
-        body = self.path.read_bytes() if self.path.exists() else b""
-        self._compact(body)
-        self.offset = len(body)
+        with _locked(into):  # partition workers of one node restore into the same file
+            have: set[str] = set()
+            for p in dict.fromkeys([*parts, into]):
+                have |= _keep_only(p, want)
+            added = [want[i] for i in sorted(want.keys() - have)]
+            if added:
+                _append(into, b"".join(added))
+                print(f"vx: {len(added)} regenerated conversations with states in {self.target} restored from it",
+                      file=sys.stderr)
+            if compact:
+                body = into.read_bytes() if into.exists() else b""
+                self._compact(body)
+                if into == self.path:
+                    self.offset = len(body)
         return len(added)
 
+    def _latest(self) -> dict[str, bytes]:
+        """Every conversation's latest line over the segments (later segments replace earlier lines)."""
+        text: dict[str, bytes] = {}
+        for key in self._segments():
+            for line in _lines(self.client.get_object(Bucket=self.target.bucket, Key=key)["Body"].read()):
+                text[_id(line)] = line
+        return text
+
     # -- after the run -----------------------------------------------------------------------------
+    def merge_from_s3(self) -> int:
+        """path := every conversation's latest text in S3 (the partitions ran on other nodes), then
+        finish(); returns the conversations."""
+        text = self._latest()
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            f.write(b"".join(text.values()))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        _mark(self.path)
+        self.finish()
+        return len(text)
+
     def finish(self) -> None:
         """The whole file as one segment, and PREFIX/regenerated.jsonl (with its errors) for users."""
         from vx.store.s3 import put_file
@@ -145,6 +170,29 @@ class RegeneratedText:
         errors = self.path.with_name(self.path.name + ".errors.jsonl")
         if errors.exists():
             put_file(self.target, self.endpoint_url, errors, errors.name)
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """path's writer lock (OUTPUT.lock, vx/regenerate/output.py), waited for."""
+    from vx.regenerate.output import MERGE_WAIT_S, sidecar
+    from vx.store.lock import try_lock
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + MERGE_WAIT_S
+    while True:
+        lock, holder = try_lock(sidecar(path, ".lock"))
+        if lock is not None:
+            break
+        if time.monotonic() > deadline:
+            from vx.errors import UsageError
+
+            raise UsageError(f"{path} is being written by another vx process ({holder})")
+        time.sleep(0.2)
+    try:
+        yield
+    finally:
+        lock.close()
 
 
 def _keep_only(path: Path, want: dict[str, bytes]) -> set[str]:

@@ -5,6 +5,8 @@ An output lives in a local directory, mirrored to an S3 prefix when there is one
 keyed by endpoint, bucket and prefix. `Output` knows where it lives, its identity (vx.json),
 its manifests and committed ids (local and remote, root and partitions), its lock and its
 partitions; extract, the launchers, verify and the reader ask it.
+
+Over 300 lines: the one owner of an output's state, local and in S3, root and partitions.
 """
 
 from __future__ import annotations
@@ -189,6 +191,13 @@ class Output:
             from vx.s3_client import make_client
 
             make_client(self.endpoint_url).delete_object(Bucket=self.target.bucket, Key=self.target.key(END))
+
+    def ended(self) -> bool:
+        """Whether a run of this output (or partition) marked its end, here or in S3."""
+        from vx.store.s3 import remote_exists
+
+        return (self.local / END).exists() or (self.target is not None and
+                                               remote_exists(self.target, self.endpoint_url, END))
 
     def end_run(self) -> None:
         """Every row of this run is committed or rejected (and, with S3, uploaded): mark the end."""

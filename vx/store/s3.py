@@ -137,6 +137,16 @@ def remote_committed_ids(target: S3Target, endpoint_url: str | None, exclude: st
     return ids
 
 
+def remote_exists(target: S3Target, endpoint_url: str | None, name: str) -> bool:
+    from botocore.exceptions import ClientError
+
+    try:
+        make_client(endpoint_url).head_object(Bucket=target.bucket, Key=target.key(name))
+    except ClientError:
+        return False
+    return True
+
+
 def put_file(target: S3Target, endpoint_url: str | None, path: Path, name: str) -> None:
     make_client(endpoint_url).upload_file(str(path), target.bucket, target.key(name))
 
