@@ -226,6 +226,31 @@ def test_to_s3_a_kill_9_then_a_rerun_on_another_machine_keep_each_conversations_
         proc.kill()
 
 
+def test_partitions_run_one_job_each_in_any_order_and_the_last_to_end_writes_the_regenerated_file(
+        tmp_path, tiny_model, tokenizer):
+    """--num-partitions 2 --partition-index i, as SLURM array tasks: each job regenerates and
+    captures its token-balanced share, partition 1 first; the last to end merges the parts into
+    OUT/regenerated.jsonl. Every conversation once, its stored ids its text's."""
+    out = tmp_path / "out"
+    summaries = []
+    for i in (1, 0):
+        r = subprocess.run(one_pass(out, "--num-partitions", "2", "--partition-index", str(i), backend="hf"),
+                           cwd=ROOT, capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stderr[-3000:]
+        summaries.append(json.loads(r.stdout)["regenerated"])
+    assert [s["merged"] for s in summaries] == [False, True]
+    records = [json.loads(line) for line in (ROOT / "examples/chat.jsonl").read_text().splitlines() if line]
+    want = sorted(r["id"] for r in records if "messages" in r or "conversations" in r)
+    convs = [json.loads(line) for line in (out / "regenerated.jsonl").read_text().splitlines() if line.strip()]
+    assert sorted(c["id"] for c in convs) == want and summaries[1]["conversations_in_output"] == len(want)
+    ds = vx.open_dataset(out)
+    assert sorted(ds.ids) == want
+    assert 0 < summaries[0]["conversations"] < len(want)  # each job its own share
+    for c in convs:
+        rendered = tokenizer.apply_chat_template(c["messages"], tokenize=False)
+        assert ds[c["id"]]["input_ids"].tolist() == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
 def test_a_followed_input_yields_committed_rows_only_and_after_its_end_when_asked(tmp_path):
     from vx.data.follow import FollowingInput
     from vx.data.samples import PENDING
