@@ -53,7 +53,7 @@ def test_what_the_parser_catches_is_usage_and_exit_2(argv, capsys):
     (["inspect", "s3://bucket/run", "--watch", "--interval", "0"], "--interval and --stall-after must be > 0"),
     (["inspect", "s3://bucket/run"], "with --watch or --plot"),
     (["inspect", "/nonexistent/out"], "/nonexistent/out is not a directory"),
-    (["extract", "examples/chat.jsonl", "--regenerate", "-o", "s3://bucket/run"], "--regenerate writes a local output"),
+    (["extract", "examples/chat.jsonl", "--regenerate", "--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
 ])
 def test_a_bad_value_is_one_line_naming_it_and_exit_2(argv, says, capsys):
     code, out = run(argv, capsys)
