@@ -108,7 +108,7 @@ def extract(
         seed=seed, drop_truncated=drop_truncated, metrics_port=metrics_port, progress_every=progress_every,
     )
     if cfg.regenerate:
-        from vx.pipeline.one_pass import run_one_pass
+        from vx.pipeline.one_pass_parallel import run as run_one_pass
 
         s = run_one_pass(cfg, progress=progress)
     elif cfg.ray:

@@ -35,6 +35,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from vx.errors import UsageError, VxError, raise_if_stopped
+from vx.pipeline.regenerated_text import merge_when_complete, text_in_s3
 from vx.pipeline.regeneration import LATER, Regeneration
 from vx.store.format import GENERATION, REGENERATED
 
@@ -144,16 +145,6 @@ def _fetch(cfg, name: str, dest: Path) -> bool:
     return True
 
 
-def text_in_s3(cfg, path: Path, part: str = "all"):
-    """With -o s3://: the regenerated text's keeper in S3 (vx/pipeline/regenerated_text.py), else None."""
-    if not cfg.upload:
-        return None
-    from vx.pipeline.regenerated_text import RegeneratedText
-    from vx.s3_client import parse_s3_url
-
-    return RegeneratedText(parse_s3_url(cfg.upload), cfg.endpoint_url, path, part, Path(cfg.output) / GENERATION)
-
-
 def cpu_layout() -> tuple[tuple[list[int], list[int]] | None, bool]:
     """(the regeneration's cores and the capture's, or None for every core to both; whether the
     capture waits for the regeneration's end). GPU: shared device, following. CPU: every core to
@@ -176,20 +167,12 @@ def pin_env(cores: list[int]) -> dict[str, str]:
 
 
 def run_one_pass(cfg, progress: bool | None = None, reporter=None):
-    """The one-pass job: returns extraction's Summary, with the regeneration's summary in it. With
-    --data-parallel-size/--gpus, the launcher (vx/pipeline/one_pass_parallel.py); in its workers
-    (a partition and the launcher's plan), that partition."""
+    """The one-pass job in this process: the whole input, a launcher's partition (its plan given:
+    --data-parallel-size, --ray; vx/pipeline/one_pass_parallel.py routes there) or one
+    --partition-index. Returns extraction's Summary, with the regeneration's summary in it."""
     from vx.data.follow import FollowingInput
     from vx.jobs.extract import run_extract
 
-    if cfg.ray:
-        from vx.pipeline.one_pass_parallel import run_one_pass_ray
-
-        return run_one_pass_ray(cfg, progress)
-    if cfg.data_parallel_size > 1:
-        from vx.pipeline.one_pass_parallel import run_one_pass_parallel
-
-        return run_one_pass_parallel(cfg, progress)
     out = Path(cfg.output)
     alone = not cfg.plan_file  # no launcher (one engine, or --partition-index): what a launcher does once, here
     if cfg.upload and alone:  # the staging in line with S3 before anything is written there
@@ -253,8 +236,6 @@ def run_one_pass(cfg, progress: bool | None = None, reporter=None):
         os.environ.update(env)
     s.regenerated = regen.summary
     if cfg.partitioned and alone and s.regenerated is not None:  # --partition-index: the last one merges
-        from vx.pipeline.one_pass_parallel import merge_when_complete
-
         s.regenerated.update(merge_when_complete(cfg))
     elif text is not None and s.regenerated and not cfg.partitioned:
         s.regenerated["output"] = f"{cfg.upload.rstrip('/')}/{REGENERATED}"

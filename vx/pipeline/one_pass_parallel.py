@@ -36,6 +36,18 @@ WORKER = "vx.pipeline.one_pass_parallel"  # `python -m vx.pipeline.one_pass_para
 SUM = ("conversations", "turns", "generated_tokens", "truncated", "dropped", "errors", "skipped")
 
 
+def run(cfg, progress: bool | None = None):
+    """`vx extract --regenerate`: on Ray, on this node's engine slots, or one process (one engine,
+    or one --partition-index). Returns extraction's Summary with the regeneration's in it."""
+    from vx.pipeline.one_pass import run_one_pass
+
+    if cfg.ray:
+        return run_one_pass_ray(cfg, progress)
+    if cfg.data_parallel_size > 1:
+        return run_one_pass_parallel(cfg, progress)
+    return run_one_pass(cfg, progress=progress)
+
+
 def run_one_pass_parallel(cfg, progress: bool | None = None):
     """Every partition's one-pass job on this node's engine slots, then one regenerated JSONL.
     Returns the combined Summary, with the regenerations' summed in it."""
@@ -100,7 +112,8 @@ def prepare_text(cfg, job, plan_file):
     """A launcher's part, once before its workers start: the generation options checked
     (OUT/regenerate.json), with -o s3:// the text of what S3 holds states of restored and its
     segments compacted, and both engines' max_model_len. Returns the config the workers get."""
-    from vx.pipeline.one_pass import check_rerun, max_model_len, text_in_s3
+    from vx.pipeline.one_pass import check_rerun, max_model_len
+    from vx.pipeline.regenerated_text import text_in_s3
     from vx.regenerate.output import parts_dir
 
     out = Path(cfg.output)
@@ -118,7 +131,7 @@ def finish_text(cfg, results: dict, s, here: bool):
     else from S3's text, or the parts on the shared filesystem), its engine logs moved to OUT/logs,
     and the regenerations' sums in the Summary."""
     from vx.engine.logs import LOG_DIR
-    from vx.pipeline.one_pass import text_in_s3
+    from vx.pipeline.regenerated_text import text_in_s3
     from vx.regenerate.output import merge_parts, parts_dir
 
     out = Path(cfg.output)
@@ -137,31 +150,6 @@ def finish_text(cfg, results: dict, s, here: bool):
     where = f"{cfg.upload.rstrip('/')}/{REGENERATED}" if text is not None else str(out / REGENERATED)
     s.regenerated.update(output=where, conversations_in_output=merged["conversations"])
     return s
-
-
-def merge_when_complete(cfg) -> dict:
-    """A --partition-index run: once every partition's capture has ended (its end mark, here or in
-    S3), OUT/regenerated.jsonl from the parts (local) or from S3's text (each partition's node
-    kept its own part). Returns where the text is, and whether this run merged it."""
-    from vx.errors import UsageError
-    from vx.launch.plan import part_name
-    from vx.pipeline.one_pass import text_in_s3
-    from vx.store.output import Output
-
-    root = Output.of(cfg)
-    out = Path(cfg.output) / REGENERATED
-    if not all(root.partition(part_name(i, cfg.num_partitions)).ended() for i in range(cfg.num_partitions)):
-        return {"merged": False, "output": f"{cfg.upload.rstrip('/')}/{REGENERATED}" if cfg.upload else str(out)}
-    if cfg.upload:
-        n = text_in_s3(cfg, out).merge_from_s3()
-        return {"merged": True, "output": f"{cfg.upload.rstrip('/')}/{REGENERATED}", "conversations_in_output": n}
-    from vx.regenerate.output import merge_parts
-
-    try:
-        merged = merge_parts(out, cfg.num_partitions)
-    except UsageError:  # another partition merges now
-        return {"merged": False}
-    return {"merged": merged["complete"], "output": str(out), "conversations_in_output": merged["conversations"]}
 
 
 def worker_main(argv: list[str]) -> int:

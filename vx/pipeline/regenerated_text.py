@@ -14,7 +14,8 @@ it, the regeneration would write new text for conversations whose old states the
   conversation with states in S3, the local text becomes S3's; then the result goes up as one
   segment and the older segments are deleted (a crash between the two leaves both: the later wins).
 - finish(), once every partition is done: the whole file as one segment (the older ones deleted),
-  and a copy as PREFIX/regenerated.jsonl, what users read.
+  and a copy as PREFIX/regenerated.jsonl, what users read; merge_from_s3() first where the
+  partitions ran on other nodes (--ray, --partition-index: merge_when_complete).
 
 Segments sort by the writer's clock: runs of one output follow each other (a rerun starts after a
 crash), not at once.
@@ -32,6 +33,7 @@ from pathlib import Path
 
 from vx import faults
 from vx.data.follow import COMMITTED, committed_bytes
+from vx.errors import UsageError
 from vx.store.format import GENERATION, REGENERATED, TEXT_SEGMENTS
 from vx.store.lock import write_atomically
 
@@ -185,14 +187,44 @@ def _locked(path: Path):
         if lock is not None:
             break
         if time.monotonic() > deadline:
-            from vx.errors import UsageError
-
             raise UsageError(f"{path} is being written by another vx process ({holder})")
         time.sleep(0.2)
     try:
         yield
     finally:
         lock.close()
+
+
+def text_in_s3(cfg, path: Path, part: str = "all") -> RegeneratedText | None:
+    """With -o s3://: the keeper in S3 of the text at path (a one-pass config's), else None."""
+    if not cfg.upload:
+        return None
+    from vx.s3_client import parse_s3_url
+
+    return RegeneratedText(parse_s3_url(cfg.upload), cfg.endpoint_url, path, part, Path(cfg.output) / GENERATION)
+
+
+def merge_when_complete(cfg) -> dict:
+    """A --partition-index run: once every partition's capture has ended (its end mark, here or in
+    S3), OUT/regenerated.jsonl from the parts (local) or from S3's text (each partition's node
+    kept its own part). Returns where the text is, and whether this run merged it."""
+    from vx.launch.plan import part_name
+    from vx.store.output import Output
+
+    root = Output.of(cfg)
+    out = Path(cfg.output) / REGENERATED
+    if not all(root.partition(part_name(i, cfg.num_partitions)).ended() for i in range(cfg.num_partitions)):
+        return {"merged": False, "output": f"{cfg.upload.rstrip('/')}/{REGENERATED}" if cfg.upload else str(out)}
+    if cfg.upload:
+        n = text_in_s3(cfg, out).merge_from_s3()
+        return {"merged": True, "output": f"{cfg.upload.rstrip('/')}/{REGENERATED}", "conversations_in_output": n}
+    from vx.regenerate.output import merge_parts
+
+    try:
+        merged = merge_parts(out, cfg.num_partitions)
+    except UsageError:  # another partition merges now
+        return {"merged": False}
+    return {"merged": merged["complete"], "output": str(out), "conversations_in_output": merged["conversations"]}
 
 
 def _keep_only(path: Path, want: dict[str, bytes]) -> set[str]:
