@@ -188,6 +188,10 @@ def run_one_pass(cfg, progress: bool | None = None, reporter=None):
     text = text_in_s3(cfg, followed, followed.stem if cfg.partitioned else "all")
     if alone:
         check_rerun(cfg, out)
+    if not cfg.partitioned:  # an earlier --dp run's unmerged parts: this run's regeneration counts them done
+        from vx.regenerate.output import merge_leftover_parts
+
+        merge_leftover_parts(out / REGENERATED)
     if text is not None and not cfg.overwrite:  # before the regeneration reads what its output holds
         from vx.regenerate.output import parts_dir
 

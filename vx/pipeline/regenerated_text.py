@@ -103,8 +103,8 @@ class RegeneratedText:
     # -- before a run ------------------------------------------------------------------------------
     def restore(self, into: Path, parts: tuple[Path, ...] = (), compact: bool = True) -> int:
         """Make the local text S3's for every conversation whose states S3 holds: appended to `into`
-        (the root's regenerated.jsonl, what a regeneration counts as done), conflicting lines
-        dropped from `into` and `parts`; returns how many were added. compact: then the result as
+        (the root's regenerated.jsonl, what a regeneration counts as done) where `into` lacks it,
+        conflicting lines dropped from `into` and `parts`; returns how many were added. compact: then the result as
         one segment and the older ones deleted (only where no other writer of this output runs:
         its segments would go). Raises when S3 holds states of a conversation without its text."""
         from vx.errors import VxError
@@ -122,10 +122,11 @@ class RegeneratedText:
             return 0
         want = {i: text[i] for i in committed}
         with _locked(into):  # partition workers of one node restore into the same file
-            have: set[str] = set()
-            for p in dict.fromkeys([*parts, into]):
-                have |= _keep_only(p, want)
-            added = [want[i] for i in sorted(want.keys() - have)]
+            for p in parts:  # a part's conflicting lines go; its others are merged later (each id once)
+                if p != into:
+                    _keep_only(p, want)
+            have = _keep_only(into, want)  # into holds every committed conversation's text after this: the
+            added = [want[i] for i in sorted(want.keys() - have)]  # compaction's one segment is into
             if added:
                 _append(into, b"".join(added))
                 print(f"vx: {len(added)} regenerated conversations with states in {self.target} restored from it",

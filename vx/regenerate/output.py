@@ -137,6 +137,17 @@ def truncate_torn(path: Path) -> None:
             os.fsync(f.fileno())
 
 
+def merge_leftover_parts(output: Path) -> int:
+    """Parts an earlier partitioned run left (a crash before its merge) merged into OUTPUT, whatever
+    their partition count: a run of the whole input counts OUTPUT's conversations as done, and
+    theirs would be regenerated with other text. Returns the conversations added."""
+    import re
+
+    counts = {int(m.group(1)) for p in parts_dir(output).glob("part-*-of-*.jsonl")
+              if (m := re.fullmatch(r"part-\d+-of-(\d+)\.jsonl", p.name))}
+    return sum(merge_parts(output, count)["merged"] for count in sorted(counts))
+
+
 def merge_parts(output: Path, count: int) -> dict:
     """Append every part's conversations that OUTPUT lacks to OUTPUT (fsynced), gather the parts'
     errors into OUTPUT.errors.jsonl, then remove the parts. Idempotent: a crash anywhere leaves
