@@ -131,18 +131,10 @@ def check_rerun(cfg, out: Path) -> None:
 
 def _fetch(cfg, name: str, dest: Path) -> bool:
     """The S3 output's file `name` into dest (a rerun on another machine); False when there is none."""
-    from botocore.exceptions import ClientError
-
     from vx.s3_client import make_client, parse_s3_url
-    from vx.store.lock import write_atomically
+    from vx.store.s3 import fetch_file
 
-    target = parse_s3_url(cfg.upload)
-    try:
-        body = make_client(cfg.endpoint_url).get_object(Bucket=target.bucket, Key=target.key(name))["Body"].read()
-    except ClientError:
-        return False
-    write_atomically(dest, body)
-    return True
+    return fetch_file(parse_s3_url(cfg.upload), name, dest, make_client(cfg.endpoint_url))
 
 
 def cpu_layout() -> tuple[tuple[list[int], list[int]] | None, bool]:

@@ -47,23 +47,28 @@ def preflight(target: S3Target, endpoint_url: str | None) -> None:
 
 def fetch_remote_state(target: S3Target, endpoint_url: str | None, out: Path) -> bool:
     """Resume on a new machine: copy the S3 manifest, errors and vx.json into an empty local dir."""
-    from botocore.exceptions import ClientError
-
     if (out / MANIFEST).exists():
         return False
     client = make_client(endpoint_url)
     got = False
     for name in (RUN_META, MANIFEST):
-        try:
-            body = client.get_object(Bucket=target.bucket, Key=target.key(name))["Body"].read()
-        except ClientError:
-            continue
-        out.mkdir(parents=True, exist_ok=True)
-        # atomic: the partition workers of one machine share this directory and may fetch it at
-        # once; a plain write let one read the other's half-written vx.json (found by the suite)
-        write_atomically(out / name, body)
-        got = True
+        got |= fetch_file(target, name, out / name, client)
     return got
+
+
+def fetch_file(target: S3Target, name: str, dest: Path, client) -> bool:
+    """target's file `name` into dest, written atomically; False when there is none. (The partition
+    workers of one machine share a staging directory and may fetch one file at once: a plain write
+    let one read the other's half-written vx.json, found by the suite.)"""
+    from botocore.exceptions import ClientError
+
+    try:
+        body = client.get_object(Bucket=target.bucket, Key=target.key(name))["Body"].read()
+    except ClientError:
+        return False
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(dest, body)
+    return True
 
 
 def fetch_layout_meta(client, target: S3Target, out: Path) -> list[str]:
