@@ -185,12 +185,10 @@ def run_one_pass(cfg, progress: bool | None = None, reporter=None):
 
         merge_leftover_parts(out / REGENERATED)
     if text is not None and not cfg.overwrite:  # before the regeneration reads what its output holds
-        from vx.regenerate.output import parts_dir
-
         if cfg.partitioned:  # into the root's file, which the partition's regeneration counts as done;
             text.restore(out / REGENERATED, (followed,), compact=False)  # other partitions may be writing
-        else:
-            text.restore(followed, tuple(parts_dir(out / REGENERATED).glob("part-*.jsonl")))
+        else:  # (leftover parts merged into it above)
+            text.restore(followed)
     split, after_end = cpu_layout()
     gen_env = pin_env(split[0]) if split else {}
     from vx.device import cuda_available

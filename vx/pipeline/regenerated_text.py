@@ -32,10 +32,10 @@ import uuid
 from pathlib import Path
 
 from vx import faults
-from vx.data.follow import COMMITTED, committed_bytes
+from vx.data.follow import committed_bytes
 from vx.errors import UsageError
 from vx.store.format import GENERATION, REGENERATED, TEXT_SEGMENTS
-from vx.store.lock import write_atomically
+from vx.regenerate.output import mark_committed, truncate_torn
 
 
 def _id(line: bytes) -> str:
@@ -158,7 +158,7 @@ class RegeneratedText:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
-        _mark(self.path)
+        mark_committed(self.path)
         self.finish()
         return len(text)
 
@@ -231,8 +231,6 @@ def merge_when_complete(cfg) -> dict:
 def _keep_only(path: Path, want: dict[str, bytes]) -> set[str]:
     """Drop the lines of path that S3 holds another text of (rewritten atomically, only when one
     differs); returns the ids of path's lines that agree with S3."""
-    from vx.regenerate.output import truncate_torn
-
     if not path.exists():
         return set()
     truncate_torn(path)
@@ -247,7 +245,7 @@ def _keep_only(path: Path, want: dict[str, bytes]) -> set[str]:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        _mark(path)
+        mark_committed(path)
     return {i for line in keep if (i := _id(line)) in want}
 
 
@@ -257,9 +255,4 @@ def _append(path: Path, body: bytes) -> None:
         f.write(body)
         f.flush()
         os.fsync(f.fileno())
-    _mark(path)
-
-
-def _mark(path: Path) -> None:
-    """path's committed size (what a following reader reads up to, vx/data/follow.py)."""
-    write_atomically(path.with_name(path.name + COMMITTED), str(path.stat().st_size))
+    mark_committed(path)

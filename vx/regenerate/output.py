@@ -81,12 +81,8 @@ class RegenOutput:
         if not self.path.exists():
             return set()
         truncate_torn(self.path)
-        self._mark()
+        mark_committed(self.path)
         return committed_ids(self.path)
-
-    def _mark(self) -> None:
-        """OUTPUT.committed: the durable size (vx/data/follow.py reads no further), replaced atomically."""
-        write_atomically(sidecar(self.path, COMMITTED), str(self.path.stat().st_size))
 
     def add(self, record: dict, every: int) -> None:
         self._pending.append(json.dumps(record, ensure_ascii=False).encode() + b"\n")
@@ -104,7 +100,7 @@ class RegenOutput:
             faults.point("before-chunk-fsync")
             os.fsync(self._f.fileno())
             faults.point("before-committed-mark")
-            self._mark()
+            mark_committed(self.path)
             self.written += n
             faults.point("after-chunk")
         self._last = time.monotonic()
@@ -114,6 +110,11 @@ class RegenOutput:
         self._f.close()
         self.errors.close()
         self._lock.close()
+
+
+def mark_committed(path: Path) -> None:
+    """PATH.committed: path's durable size (vx/data/follow.py reads no further), replaced atomically."""
+    write_atomically(sidecar(path, COMMITTED), str(path.stat().st_size))
 
 
 def truncate_torn(path: Path) -> None:
