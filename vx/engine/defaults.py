@@ -20,6 +20,28 @@ MAX_NUM_SEQS = 128             # in flight: 2x what one full step finishes, GDN 
 CPU_MAX_NUM_BATCHED_TOKENS = 16384
 
 
+# On CPU vLLM gives KV the fraction of host memory vx sets (0.3: 5.9 GiB on a 24 GiB machine) and
+# zero-fills it as the engine starts: ~9 s of a 2-core engine's start, and the capture itself ran 7.5 s
+# against 4.4 s with 1 GiB (first touches; bench model, 128 conversations). vx sizes it to the job
+# instead: this many tokens of max_model_len per GiB, at least 1 GiB. The costliest model vx runs per
+# token (the bench's tiny hybrid, whose hidden-state page is padded to the GDN state's) holds ~4,000
+# tokens per GiB: two max-length requests. VLLM_CPU_KVCACHE_SPACE or --gpu-memory-utilization win.
+CPU_KV_TOKENS_PER_GIB = 2048
+GIB = 1 << 30
+
+
+def cpu_kv_cache_bytes(max_model_len: int | None, host_bytes: int | None = None) -> int | None:
+    """The KV cache vx gives a CPU engine, or None for vLLM's own sizing: no max_model_len known,
+    VLLM_CPU_KVCACHE_SPACE set, or more than vLLM's would be (0.3 of host memory)."""
+    import os
+
+    if not max_model_len or os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        return None
+    want = max(1, -(-max_model_len // CPU_KV_TOKENS_PER_GIB)) * GIB
+    host = host_bytes or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return want if want <= 0.3 * host else None
+
+
 def default_budget(max_num_batched_tokens: int | None, max_num_seqs: int | None) -> tuple[int, int]:
     return max_num_batched_tokens or MAX_NUM_BATCHED_TOKENS, max_num_seqs or MAX_NUM_SEQS
 

@@ -47,8 +47,9 @@ def engine_kwargs(model_dir: Path, layer_ids: list[int], *, on_cpu: bool, vision
     """The engine vx builds: vLLM's extract_hidden_states method + vx's connector + extension.
     `overrides` are further engine arguments (bench: load_format="dummy" for random weights)."""
     from vx.engine.connector import CONNECTOR, MODULE
-    from vx.engine.defaults import CPU_MAX_NUM_BATCHED_TOKENS, default_budget
+    from vx.engine.defaults import CPU_MAX_NUM_BATCHED_TOKENS, cpu_kv_cache_bytes, default_budget
 
+    kv_bytes = cpu_kv_cache_bytes(max_model_len) if on_cpu and gpu_memory_utilization is None else None
     if gpu_memory_utilization is None:  # on CPU it is the fraction of host memory for vLLM
         gpu_memory_utilization = 0.3 if on_cpu else 0.9
     if enforce_eager is None:
@@ -72,6 +73,8 @@ def engine_kwargs(model_dir: Path, layer_ids: list[int], *, on_cpu: bool, vision
         max_num_batched_tokens = CPU_MAX_NUM_BATCHED_TOKENS
     if max_model_len:
         kwargs["max_model_len"] = max_model_len
+    if kv_bytes:  # sized to the job, not zero-filled from 30% of host memory (vx/engine/defaults.py)
+        kwargs["kv_cache_memory_bytes"] = kv_bytes
     if max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = max_num_batched_tokens
     if max_num_seqs:
