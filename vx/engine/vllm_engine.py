@@ -5,6 +5,7 @@ does not wait on a busy engine core. Used by extraction, `vx regenerate` and `vx
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -159,6 +160,35 @@ def stop_engine(engine, watch) -> None:
     death), then stop_engine_core, or for a dead one only what vLLM's client still holds."""
     watch.close()
     if watch.dead:
-        engine.engine_core.shutdown()
+        end_dead_engine(engine)
     else:
         stop_engine_core(engine)
+
+
+def end_dead_engine(engine, wait_s: float = 2.0) -> None:
+    """An engine one of whose processes died: what still runs of it (its core, often) gets SIGTERM,
+    and SIGKILL after wait_s, before vLLM's client cleans up. No RPC: nothing of it is asked
+    anything. Left to vLLM, its process manager waited 5 s for a core whose SIGTERM handler may
+    never run (see stop_engine_core), then logged its force kill after vx's one-line error
+    (campaign seed 61, trial 35; a race: the same trial passed twice since, before this and after).
+    The processes are ended here whether or not vLLM's own monitor thread began its shutdown."""
+    client = engine.engine_core
+    resources = getattr(client, "resources", None)
+    manager = getattr(resources, "engine_manager", None)
+    finalizer = getattr(manager, "_finalizer", None)
+    procs = [p for p in getattr(manager, "processes", []) if p.is_alive()]
+    if finalizer is not None:
+        finalizer.detach()  # vLLM's shutdown of them (or the one its monitor thread began) finds them gone
+    if resources is not None:
+        resources.engine_dead = True
+    for p in procs:
+        with contextlib.suppress(Exception):
+            p.terminate()
+    deadline = time.monotonic() + wait_s
+    for p in procs:
+        with contextlib.suppress(Exception):
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(1.0)
+    client.shutdown()
