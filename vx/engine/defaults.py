@@ -30,7 +30,7 @@ CPU_KV_TOKENS_PER_GIB = 2048
 GIB = 1 << 30
 
 
-def cpu_kv_cache_bytes(max_model_len: int | None, host_bytes: int | None = None) -> int | None:
+def cpu_kv_cache_bytes(max_model_len: int | None) -> int | None:
     """The KV cache vx gives a CPU engine, or None for vLLM's own sizing: no max_model_len known,
     VLLM_CPU_KVCACHE_SPACE set, or more than vLLM's would be (0.3 of host memory)."""
     import os
@@ -38,7 +38,7 @@ def cpu_kv_cache_bytes(max_model_len: int | None, host_bytes: int | None = None)
     if not max_model_len or os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
         return None
     want = max(1, -(-max_model_len // CPU_KV_TOKENS_PER_GIB)) * GIB
-    host = host_bytes or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return want if want <= 0.3 * host else None
 
 

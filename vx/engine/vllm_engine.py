@@ -129,11 +129,7 @@ def stop_engine_core(engine, pokes: int = 5, wait_s: float = 8.0) -> None:
     care of (its one-shot finalizer detached, the same in 0.32 and 0.33), so neither its liveness
     monitor nor its shutdown sends a second SIGTERM into a core whose handler is already reset;
     vLLM's client shutdown then only cleans up."""
-    client = engine.engine_core
-    resources = getattr(client, "resources", None)
-    manager = getattr(resources, "engine_manager", None)
-    finalizer = getattr(manager, "_finalizer", None)
-    procs = [p for p in getattr(manager, "processes", []) if p.is_alive()]
+    client, resources, finalizer, procs = _engine_processes(engine)
     if procs and finalizer is not None and finalizer.detach() is not None:
         for p in procs:
             p.terminate()
@@ -144,13 +140,27 @@ def stop_engine_core(engine, pokes: int = 5, wait_s: float = 8.0) -> None:
             except Exception:
                 break
         resources.engine_dead = True  # the client's liveness monitor now stays quiet
-        deadline = time.monotonic() + wait_s
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-                p.join(1.0)
+        _join_or_kill(procs, time.monotonic() + wait_s)
     client.shutdown()
+
+
+def _engine_processes(engine):
+    """(vLLM's client, its background resources, its process manager's one-shot finalizer, the
+    manager's processes still alive): the same in 0.32 and 0.33."""
+    client = engine.engine_core
+    resources = getattr(client, "resources", None)
+    manager = getattr(resources, "engine_manager", None)
+    procs = [p for p in getattr(manager, "processes", []) if p.is_alive()]
+    return client, resources, getattr(manager, "_finalizer", None), procs
+
+
+def _join_or_kill(procs, deadline: float) -> None:
+    """Each process's exit by the deadline, else SIGKILL."""
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(1.0)
 
 
 
@@ -172,23 +182,14 @@ def end_dead_engine(engine, wait_s: float = 2.0) -> None:
     never run (see stop_engine_core), then logged its force kill after vx's one-line error
     (campaign seed 61, trial 35; a race: the same trial passed twice since, before this and after).
     The processes are ended here whether or not vLLM's own monitor thread began its shutdown."""
-    client = engine.engine_core
-    resources = getattr(client, "resources", None)
-    manager = getattr(resources, "engine_manager", None)
-    finalizer = getattr(manager, "_finalizer", None)
-    procs = [p for p in getattr(manager, "processes", []) if p.is_alive()]
+    client, resources, finalizer, procs = _engine_processes(engine)
     if finalizer is not None:
         finalizer.detach()  # vLLM's shutdown of them (or the one its monitor thread began) finds them gone
     if resources is not None:
         resources.engine_dead = True
     for p in procs:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(OSError):
             p.terminate()
-    deadline = time.monotonic() + wait_s
-    for p in procs:
-        with contextlib.suppress(Exception):
-            p.join(max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-                p.join(1.0)
+    with contextlib.suppress(OSError):
+        _join_or_kill(procs, time.monotonic() + wait_s)
     client.shutdown()
