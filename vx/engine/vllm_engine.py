@@ -163,8 +163,6 @@ def _join_or_kill(procs, deadline: float) -> None:
             p.join(1.0)
 
 
-
-
 def stop_engine(engine, watch) -> None:
     """The end of an engine vx started, alive or dead: its watch first (stopping it is not a
     death), then stop_engine_core, or for a dead one only what vLLM's client still holds."""

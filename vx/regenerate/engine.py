@@ -57,10 +57,10 @@ def start_engine(cfg, model_dir: Path, log: Path):
                   tensor_parallel_size=cfg.tensor_parallel_size, worker_extension_cls=EXTENSION)
         if on_cpu:
             kw.update(dtype="bfloat16", enforce_eager=True, gpu_memory_utilization=cfg.gpu_memory_utilization or 0.3)
-            longest = cfg.max_model_len or model_info(model_dir).max_position_embeddings
-            kv_bytes = None if cfg.gpu_memory_utilization else cpu_kv_cache_bytes(longest)
-            if kv_bytes:  # sized to the job (vx/engine/defaults.py)
-                kw["kv_cache_memory_bytes"] = kv_bytes
+            if not cfg.gpu_memory_utilization:  # sized to the job (vx/engine/defaults.py)
+                kv_bytes = cpu_kv_cache_bytes(cfg.max_model_len or model_info(model_dir).max_position_embeddings)
+                if kv_bytes:
+                    kw["kv_cache_memory_bytes"] = kv_bytes
         elif cfg.gpu_memory_utilization:
             kw["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         for k in ("max_num_seqs", "max_model_len"):
