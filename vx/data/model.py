@@ -51,8 +51,20 @@ def model_info(path: Path) -> ModelInfo:
         raise UsageError(f"{path}/config.json lacks {e.args[0]!r}") from None
 
 
-def load_tokenizer(path: Path):
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoTokenizer
+_TOKENIZERS: dict[tuple, object] = {}
 
-    return AutoTokenizer.from_pretrained(str(path))
+
+def load_tokenizer(path: Path):
+    """The model's tokenizer, loaded once per process: a job's plan, its engine length and its
+    samples each want it, and a Qwen3.6 tokenizer (248k entries) takes ~1.5 s of a core to build.
+    Kept by its directory and its files' times (a model rebuilt in place loads again); vx
+    tokenizes on one thread and never changes a tokenizer it loaded."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = Path(path).resolve()
+    key = (str(path), *(f.stat().st_mtime_ns for f in sorted(path.glob("tokenizer*"))))
+    if key not in _TOKENIZERS:
+        from transformers import AutoTokenizer
+
+        _TOKENIZERS.clear()  # one model per process in practice: no cache of every model a test built
+        _TOKENIZERS[key] = AutoTokenizer.from_pretrained(str(path))
+    return _TOKENIZERS[key]
