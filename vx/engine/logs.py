@@ -80,3 +80,16 @@ def _said_by_vx(record: logging.LogRecord) -> bool:
     """The terminal skips vLLM's notice that its engine core exited: vx's own line says which
     process died, how, and what to do (vx/engine/liveness.py); the log file keeps it."""
     return "engine core exited unexpectedly" not in record.getMessage()
+
+
+def without_tokenizer() -> None:
+    """vx's engine has no tokenizer (it sends token ids; vx/engine/vllm_engine.py), and vLLM's LLM
+    still warms a chat template up at its start (0.32 and 0.33): that warning and its traceback
+    say nothing about vx's engine, and stay out of the log. A regeneration engine keeps them."""
+    logger = logging.getLogger("vllm.renderers.base")
+    if _no_text_warmup not in logger.filters:
+        logger.addFilter(_no_text_warmup)
+
+
+def _no_text_warmup(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Chat template warmup failed")

@@ -60,6 +60,9 @@ def engine_kwargs(model_dir: Path, layer_ids: list[int], *, on_cpu: bool, vision
         enable_prefix_caching=False, gpu_memory_utilization=gpu_memory_utilization,
         tensor_parallel_size=tensor_parallel_size, worker_extension_cls=EXTENSION, seed=seed,
         enforce_eager=enforce_eager, enable_chunked_prefill=True,
+        # vx sends token ids and reads no text: no tokenizer in the engine (~1.5 s of a core to
+        # load it, twice: the front end, which also copies it for a thread pool, and the engine core)
+        skip_tokenizer_init=True,
         # vLLM's index j is the stream entering layer j (0 = embeddings): our id k is index k + 1;
         # states come back in ascending order, so the ids must be sorted
         speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,

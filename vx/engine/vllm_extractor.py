@@ -24,7 +24,7 @@ from vx.engine.capture import capture_budget
 from vx.engine.contract import check_vllm_contract
 from vx.engine.defaults import check_tensor_parallel_pages
 from vx.engine.liveness import start_watched
-from vx.engine.logs import engine_output, vllm_log_path
+from vx.engine.logs import engine_output, vllm_log_path, without_tokenizer
 from vx.engine.vllm_engine import (
     engine_kwargs,
     prompt_ids,
@@ -71,6 +71,7 @@ class VllmExtractor:
         check_vllm_contract(kwargs)  # before any weight loads: one line naming what is missing
         dtype_bytes = 4 if kwargs["dtype"] == "float32" else 2
         check_tensor_parallel_pages(model_dir, kwargs["tensor_parallel_size"], len(layer_ids), dtype_bytes)
+        without_tokenizer()
         from vllm import LLM
 
         self.layer_ids = list(layer_ids)

@@ -223,7 +223,7 @@ def _share(zero_copy: int, copied: int) -> str:
 def _run_bare(model_dir, samples, work: Path, common: dict) -> float:
     """Bare vLLM prefill (no capture) of the same samples with the same engine settings."""
     from vx.device import engine_env
-    from vx.engine.logs import engine_output
+    from vx.engine.logs import engine_output, without_tokenizer
     from vx.engine.liveness import start_watched
     from vx.engine.reaper import Reaper
     from vx.engine.vllm_engine import (
@@ -240,6 +240,7 @@ def _run_bare(model_dir, samples, work: Path, common: dict) -> float:
     for k in ("speculative_config", "kv_transfer_config", "worker_extension_cls"):
         kwargs.pop(k)
     reaper = Reaper.start()
+    without_tokenizer()
     try:
         with engine_output(work / "logs" / "vllm-bare.log"):
             from vllm import LLM, SamplingParams
