@@ -153,6 +153,21 @@ def cpu_layout() -> tuple[tuple[list[int], list[int]] | None, bool]:
     return (cores[:half], cores[half:] or cores), False
 
 
+def reversed_binding(tensor_parallel_size: int) -> dict[str, str]:
+    """The regeneration engine's OpenMP binding when both engines start at once on every core: the
+    cores in reverse order. vLLM's CPU worker binds its main thread to the first core of its list
+    (GOMP_CPU_AFFINITY for the libgomp it preloads) and sorts any list it is given, so two engines
+    starting together import, load and profile on one core while the other idles (bench/one_pass.py
+    timelines: ~5 core-s in 5 s). vLLM's "nobind" leaves the binding to this GOMP_CPU_AFFINITY, which
+    puts the regeneration's main thread on the last core; its generation still runs on every core.
+    Left alone: a binding the user chose, and tensor parallelism (vx/device.py splits the cores)."""
+    if tensor_parallel_size > 1 or os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto":
+        return {}
+    cores = sorted(os.sched_getaffinity(0), reverse=True)
+    return {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "GOMP_CPU_AFFINITY": " ".join(map(str, cores)),
+            "OMP_NUM_THREADS": str(len(cores))}
+
+
 def pin_env(cores: list[int]) -> dict[str, str]:
     return {"VX_CPU_CORES": ",".join(map(str, cores)), "OMP_NUM_THREADS": str(len(cores)),
             "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))}
@@ -190,8 +205,9 @@ def run_one_pass(cfg, progress: bool | None = None, reporter=None):
         else:  # (leftover parts merged into it above)
             text.restore(followed)
     split, after_end = cpu_layout()
-    gen_env = pin_env(split[0]) if split else {}
     from vx.device import cuda_available
+
+    gen_env = pin_env(split[0]) if split else {} if cuda_available() else reversed_binding(cfg.tensor_parallel_size)
 
     if cuda_available() and cfg.gpu_memory_utilization is None:
         cfg = replace(cfg, gpu_memory_utilization=GPU_SHARE)
