@@ -83,13 +83,14 @@ def _said_by_vx(record: logging.LogRecord) -> bool:
 
 
 def without_tokenizer() -> None:
-    """vx's engine has no tokenizer (it sends token ids; vx/engine/vllm_engine.py), and vLLM's LLM
-    still warms a chat template up at its start (0.32 and 0.33): that warning and its traceback
-    say nothing about vx's engine, and stay out of the log. A regeneration engine keeps them."""
+    """vx's engines have no tokenizer (they take token ids; vx/engine/vllm_engine.py,
+    vx/regenerate/engine.py), and vLLM's LLM still warms a chat template up at its start (0.32
+    and 0.33): that warning and its traceback say nothing about vx's engines, and stay out of the log."""
     logger = logging.getLogger("vllm.renderers.base")
     if _no_text_warmup not in logger.filters:
         logger.addFilter(_no_text_warmup)
 
 
 def _no_text_warmup(record: logging.LogRecord) -> bool:
-    return not record.getMessage().startswith("Chat template warmup failed")
+    msg = record.getMessage()  # and its note on each tokenizer-less generation (vx passes the EOS)
+    return not msg.startswith(("Chat template warmup failed", "Using None for EOS token id"))

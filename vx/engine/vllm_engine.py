@@ -147,6 +147,11 @@ def stop_engine_core(engine, pokes: int = 5, wait_s: float = 8.0) -> None:
     client.shutdown()
 
 
+def engine_processes(engine) -> list:
+    """The engine's processes vLLM started and that are still alive (its core; on CPU its worker is the core's child)."""
+    return _engine_processes(engine)[3]
+
+
 def _engine_processes(engine):
     """(vLLM's client, its background resources, its process manager's one-shot finalizer, the
     manager's processes still alive): the same in 0.32 and 0.33."""

@@ -40,9 +40,14 @@ class VxWorkerExtension:
                                 chunk_rows=chunk_rows, hold_bytes=hold_bytes)
 
     def vx_watch_driver(self) -> bool:
-        """Once the engine has started: this process ends if the driver dies (vx/engine/reaper.py)."""
+        """Once the engine has started: this process ends if the driver dies (vx/engine/reaper.py),
+        and quickly when it is stopped (vx/engine/fast_exit.py: a capture engine's connector
+        installs that too; a regeneration engine's worker has only this extension, and its final
+        garbage collection outlasted vLLM's 5 s shutdown grace beside a running capture)."""
+        from vx.engine import fast_exit
         from vx.engine.reaper import watch_driver
 
+        fast_exit.install()
         return watch_driver()
 
     def vx_status(self) -> dict:

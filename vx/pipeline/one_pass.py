@@ -158,13 +158,16 @@ def reversed_binding(tensor_parallel_size: int) -> dict[str, str]:
     cores in reverse order. vLLM's CPU worker binds its main thread to the first core of its list
     (GOMP_CPU_AFFINITY for the libgomp it preloads) and sorts any list it is given, so two engines
     starting together import, load and profile on one core while the other idles (bench/one_pass.py
-    timelines: ~5 core-s in 5 s). vLLM's "nobind" leaves the binding to this GOMP_CPU_AFFINITY, which
-    puts the regeneration's main thread on the last core; its generation still runs on every core.
-    Left alone: a binding the user chose, and tensor parallelism (vx/device.py splits the cores)."""
+    timelines: ~5 core-s in 5 s). vLLM's "nobind" leaves the binding to GOMP_CPU_AFFINITY, which
+    vx/regenerate/engine.py sets for its engine's start only (ENGINE_GOMP): the worker's main thread
+    on the last core, its generation on every core. Left alone: a binding the user chose, and
+    tensor parallelism (vx/device.py splits the cores)."""
+    from vx.regenerate.engine import ENGINE_GOMP
+
     if tensor_parallel_size > 1 or os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto":
         return {}
     cores = sorted(os.sched_getaffinity(0), reverse=True)
-    return {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "GOMP_CPU_AFFINITY": " ".join(map(str, cores)),
+    return {"VLLM_CPU_OMP_THREADS_BIND": "nobind", ENGINE_GOMP: " ".join(map(str, cores)),
             "OMP_NUM_THREADS": str(len(cores))}
 
 

@@ -9,6 +9,7 @@ a finished conversation is handed to the output. The engine dies with the driver
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 import zlib
 from pathlib import Path
@@ -29,6 +30,43 @@ def split_reasoning(text: str, separate: bool) -> dict:
     return {"content": text}
 
 
+ENGINE_GOMP = "VX_ENGINE_GOMP_CPU_AFFINITY"  # GOMP_CPU_AFFINITY for the engine's start only (vx/pipeline/one_pass.py)
+
+
+def unpin(pid: int) -> None:
+    """Every thread of process pid back on every core this process may use (libgomp pinned its
+    main thread, and the threads it started since, to the first core of GOMP_CPU_AFFINITY)."""
+    cores = os.sched_getaffinity(0)
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(int(tid), cores)
+
+
+def generated_text(tokenizer, prompt_ids: list[int], gen) -> str:
+    """A turn's text from its ids, as vLLM's detokenizer writes it (its FastIncrementalDetokenizer,
+    0.32 and 0.33): a tokenizers DecodeStream primed with the prompt, special tokens skipped, the
+    token that stopped the turn (an EOS or a stop token id) left out, and a last character the
+    turn's end cut in half left out too (the stream never completes it)."""
+    ids = list(gen.token_ids)
+    if ids and gen.finish_reason == "stop" and not isinstance(gen.stop_reason, str):
+        ids = ids[:-1]
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None:  # a slow tokenizer: no stream to follow
+        return tokenizer.decode(ids, skip_special_tokens=True)
+    from tokenizers.decoders import DecodeStream
+
+    stream, parts = DecodeStream(ids=prompt_ids, skip_special_tokens=True), []
+    for t in ids:
+        try:
+            parts.append(stream.step(backend, t) or "")
+        except Exception as e:  # vLLM's recovery from a non-monotonic prefix: a fresh stream
+            if not str(e).startswith("Invalid prefix encountered"):
+                raise
+            stream = DecodeStream(skip_special_tokens=True)
+            parts.append(stream.step(backend, t) or "")
+    return "".join(parts)
+
+
 def preload(tensor_parallel_size: int, output: Path) -> None:
     """vLLM's modules imported ahead of start_engine (their notices to its log), for a process
     that has time to spare before it knows the engine's settings."""
@@ -42,18 +80,22 @@ def preload(tensor_parallel_size: int, output: Path) -> None:
 
 def start_engine(cfg, model_dir: Path, log: Path):
     """A vLLM engine without capture (vx's worker extension only to watch the driver), prefix
-    caching on; its log in `log`."""
+    caching on, and no tokenizer: vx renders and tokenizes each turn and decodes what the engine
+    generated (vLLM would load the tokenizer twice and copy it twice, ~7 s of a core on a start's
+    critical path for the 248k-entry Qwen3.6 one); its log in `log`."""
     from vx.device import engine_env
     from vx.data.model import model_info
     from vx.engine.defaults import cpu_kv_cache_bytes
-    from vx.engine.logs import engine_output
+    from vx.engine.logs import engine_output, without_tokenizer
     from vx.engine.vllm_engine import EXTENSION
 
+    without_tokenizer()
     with engine_output(log, cfg.verbose):
         on_cpu = engine_env(cfg.tensor_parallel_size)
         from vllm import LLM
 
-        kw = dict(model=str(model_dir), tokenizer=str(model_dir), enable_prefix_caching=True, seed=cfg.seed or 0,
+        kw = dict(model=str(model_dir), tokenizer=str(model_dir), skip_tokenizer_init=True,
+                  enable_prefix_caching=True, seed=cfg.seed or 0,
                   tensor_parallel_size=cfg.tensor_parallel_size, worker_extension_cls=EXTENSION)
         if on_cpu:
             kw.update(dtype="bfloat16", enforce_eager=True, gpu_memory_utilization=cfg.gpu_memory_utilization or 0.3)
@@ -66,7 +108,16 @@ def start_engine(cfg, model_dir: Path, log: Path):
         for k in ("max_num_seqs", "max_model_len"):
             if getattr(cfg, k):
                 kw[k] = getattr(cfg, k)
-        return LLM(**kw)
+        gomp = os.environ.pop(ENGINE_GOMP, None)  # in the engine's processes only, and only their start:
+        if gomp:  # this process's libgomp read its own binding at torch's import, without it
+            os.environ["GOMP_CPU_AFFINITY"] = gomp
+        llm = LLM(**kw)
+        if gomp:  # the worker keeps its OpenMP threads' binding; its engine core runs anywhere again
+            from vx.engine.vllm_engine import engine_processes
+
+            for p in engine_processes(llm.llm_engine):
+                unpin(p.pid)
+        return llm
 
 
 def generate(cfg, model_dir, tokenizer, chat, separate, first, convs, out, bar, stats, ready=None) -> dict:
@@ -93,16 +144,22 @@ def generate(cfg, model_dir, tokenizer, chat, separate, first, convs, out, bar, 
     window = 4 * engine.vllm_config.scheduler_config.max_num_seqs  # conversations read ahead
     active: dict[str, Conversation] = {}
 
+    # the tokenizer's EOS ends a turn as it would in vLLM's own (the generation config's are the
+    # engine's); the ids come back undecoded
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    prompts: dict[str, list[int]] = {}  # each conversation's turn in flight: its prompt's ids
+
     def params(conv: Conversation):
         seed = None if cfg.seed is None else (cfg.seed + zlib.crc32(f"{conv.id}/{conv.todo[0]}".encode())) % (1 << 31)
         return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                              max_tokens=cfg.max_tokens, seed=seed)
+                              max_tokens=cfg.max_tokens, seed=seed, stop_token_ids=eos, detokenize=False)
 
     def submit(conv: Conversation) -> None:
         k = conv.todo[0]
         text = chat.render(conv.messages[:k], tools_of(conv.record), gen=True)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         conv.turns.append({"index": k, "prompt_tokens": len(ids)})
+        prompts[conv.id] = ids
         engine.add_request(f"{conv.id}\x00{k}", tokens_input(ids), params(conv))
 
     def finish(conv: Conversation) -> None:
@@ -144,7 +201,8 @@ def generate(cfg, model_dir, tokenizer, chat, separate, first, convs, out, bar, 
                 sid, _, k = o.request_id.partition("\x00")
                 conv = active[sid]
                 gen = o.outputs[0]
-                conv.messages[int(k)] = {"role": "assistant", **split_reasoning(gen.text, separate)}
+                text = generated_text(tokenizer, prompts.pop(sid), gen)
+                conv.messages[int(k)] = {"role": "assistant", **split_reasoning(text, separate)}
                 turn = conv.turns[-1]
                 turn.update(finish_reason=gen.finish_reason, completion_tokens=len(gen.token_ids))
                 if gen.finish_reason == "length":
