@@ -6,6 +6,12 @@ vx.errors.run_guarded takes the signals over before any work."""
 
 import os
 import signal
+import sys
+
+if "__mp_main__" in sys.modules:  # imported in a process vLLM spawned from this command: its quick exit
+    from vx.engine.fast_exit import in_spawned_child  # (a regeneration's engine core has no vx code else)
+
+    in_spawned_child()
 
 
 def _before_start(signum, frame) -> None:

@@ -7,11 +7,19 @@ the resource tracker's "leaked" warnings. vx's connector, loaded in both process
 vx.errors.quiet_teardown (what every vx process does at its end) as an exit handler: the
 garbage collector off, the heap frozen, stderr quiet; by then vx's writer has closed and fsynced
 everything, and the process's memory goes back to the OS with it.
+
+A regeneration's engine core loads no vx code of its own (no connector): `in_spawned_child()`,
+called where a vx command's main module loads, installs it there. Python's multiprocessing imports
+the parent's main module first in every process it spawns (as __mp_main__; vLLM spawns its engine
+core and worker on CPU, and on a GPU once CUDA is up), so the vx command that starts an engine
+reaches it. That core's finalisation took ~1.5 s of a core after vLLM's own shutdown (py-spy, 0.32:
+gc_collect_main with no Python frame left), beside the one-pass job's capture.
 """
 
 from __future__ import annotations
 
 import atexit
+import sys
 
 from vx.errors import quiet_teardown
 
@@ -23,3 +31,10 @@ def install() -> None:
     if not _installed:
         _installed = True
         atexit.register(quiet_teardown)
+
+
+def in_spawned_child() -> None:
+    """install(), in a process multiprocessing spawned from a vx command (its main module imported
+    as __mp_main__); nothing in the command's own process."""
+    if "__mp_main__" in sys.modules:
+        install()

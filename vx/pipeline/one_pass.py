@@ -34,10 +34,13 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from vx.engine.fast_exit import in_spawned_child
 from vx.errors import UsageError, VxError, raise_if_stopped
 from vx.pipeline.regenerated_text import merge_when_complete, text_in_s3
 from vx.pipeline.regeneration import LATER, Regeneration
 from vx.store.format import GENERATION, REGENERATED
+
+in_spawned_child()  # the regeneration's engine core and worker import this module first: their quick exit
 
 GPU_SHARE = 0.45  # each engine's default --gpu-memory-utilization when both share a GPU
 

@@ -17,7 +17,10 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from vx.engine.fast_exit import in_spawned_child
 from vx.launch.workers import failed_partitions
+
+in_spawned_child()  # a partition worker's engine core and worker import this module first: their quick exit
 from vx.regenerate.config import RegenConfig
 from vx.regenerate.output import merge_parts, parts_dir
 
