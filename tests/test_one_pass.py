@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 import vx
+from vx.data.follow import committed_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -25,14 +26,24 @@ import procfs  # noqa: E402
 LAYERS = [1, 3, 5]
 
 
-def one_pass(out: Path, *extra: str, backend: str = "vllm") -> list[str]:
-    return [sys.executable, "-m", "vx", "extract", "examples/chat.jsonl", "-o", str(out), "--regenerate",
+def one_pass(out: Path, *extra: str, backend: str = "vllm", data: str = "examples/chat.jsonl") -> list[str]:
+    return [sys.executable, "-m", "vx", "extract", data, "-o", str(out), "--regenerate",
             "--backend", backend, "--max-tokens", "12", "--temperature", "0.8", "--seed", "7", "--shard-size", "0.05",
             "--layers", ",".join(map(str, LAYERS)), "--json", *extra]
 
 
 def committed_lines(path: Path) -> int:
     return sum(1 for line in path.read_bytes().split(b"\n") if line.strip()) if path.exists() else 0
+
+
+def regeneration_engine_core(driver: int) -> int | None:
+    """The engine core of the one-pass driver's regeneration (its child's), if it runs."""
+    for child in procfs.children(driver):
+        if b"vx.pipeline.one_pass" in procfs.cmdline(child):
+            for pid in procfs.children(child):
+                if procfs.cmdline(pid).startswith(b"VLLM::EngineCore"):
+                    return pid
+    return None
 
 
 def sigterm_as_the_capture_engine_starts(out: Path) -> None:
@@ -82,15 +93,15 @@ def test_sigterm_as_the_engine_starts_then_a_kill_9_mid_run_then_a_rerun_leave_e
     captured_before = committed_lines(manifest)
     assert 0 < captured_before
 
+    records = [json.loads(line) for line in (ROOT / "examples/chat.jsonl").read_text().splitlines() if line]
+    want = [r["id"] for r in records if "messages" in r or "conversations" in r]  # text records have no turns
+    assert 0 < len(want) < len(records)
+
     r = subprocess.run(one_pass(out, "--verify", "4"), cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads(r.stdout)
     assert summary["regenerated"]["skipped"] > 0  # the rerun continued the conversations already written
     assert summary["verify"]["ok"] and summary["verify"]["samples_checked"] == 4  # --verify covers this mode
-
-    records = [json.loads(line) for line in (ROOT / "examples/chat.jsonl").read_text().splitlines() if line]
-    want = [r["id"] for r in records if "messages" in r or "conversations" in r]  # text records have no turns
-    assert 0 < len(want) < len(records)
     convs = [json.loads(line) for line in regen.read_text().splitlines() if line.strip()]
     assert sorted(c["id"] for c in convs) == sorted(want)  # every conversation once in the text
     ds = vx.open_dataset(out)
@@ -112,6 +123,37 @@ def test_sigterm_as_the_engine_starts_then_a_kill_9_mid_run_then_a_rerun_leave_e
                 cos = torch.nn.functional.cosine_similarity(got[:, j].flatten(), ref[:, j].flatten(), dim=0)
                 assert cos >= 0.999, (c["id"], LAYERS[j], float(cos))
             assert (got.abs().amax(dim=(1, 2)) > 0).all()  # no zero row
+
+
+def test_the_regeneration_engine_killed_once_every_conversation_is_committed_costs_the_run_nothing(tmp_path):
+    """On CPU the regeneration's engine idles until the capture is done, then stops beside vx's
+    engine (vx/pipeline/one_pass.py). Killed in that wait, every conversation committed, its death
+    loses nothing: the run ends 0 with every conversation's text and states."""
+    records = [line for line in (ROOT / "examples/chat.jsonl").read_text().splitlines()
+               if line and ("messages" in json.loads(line) or "conversations" in json.loads(line))][:8]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(records) + "\n")
+    out = tmp_path / "out"
+    regen = out / "regenerated.jsonl"
+    # the capture's first shard commit stalls 8 s: past the 6 s a watched engine's death gives its driver
+    stall = dict(os.environ, VX_FAULT="after-manifest:1:stall", VX_FAULT_STALL_S="8")
+    run = subprocess.Popen(one_pass(out, data=str(data)), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, start_new_session=True, env=stall)
+    deadline, killed = time.monotonic() + 900, None  # two engines start on a loaded machine: wait for events
+    while run.poll() is None and time.monotonic() < deadline and killed is None:
+        if committed_lines(regen) == len(records) and committed_bytes(regen) == regen.stat().st_size:
+            killed = regeneration_engine_core(run.pid)
+            if killed:
+                os.kill(killed, signal.SIGKILL)
+        time.sleep(0.05)
+    stdout, stderr = run.communicate(timeout=900)
+    assert run.returncode == 0, stderr[-3000:]
+    assert killed, "the regeneration's engine had stopped before the capture was done"
+    assert "Traceback" not in stderr, stderr[-3000:]
+    want = sorted(json.loads(line)["id"] for line in records)
+    assert sorted(json.loads(line)["id"] for line in regen.read_text().splitlines() if line.strip()) == want
+    assert sorted(vx.open_dataset(out).ids) == want
+    assert json.loads(stdout)["regenerated"]["conversations"] == len(records)
 
 
 def test_two_engine_slots_killed_mid_run_then_rerun_give_one_regenerated_file_and_every_conversation_once(

@@ -200,9 +200,10 @@ class VllmExtractor:
         self.reaper.stop()
 
 
-def run_vllm(cfg, model_dir, info, layer_ids, samples, shard_args, bar, t0, errors, started=None):
+def run_vllm(cfg, model_dir, info, layer_ids, samples, shard_args, bar, t0, errors, started=None, captured=None):
     """The `vx extract --backend vllm` job; returns (load_s, warmup_s, extract_s, samples, tokens, stats).
-    started(): called once the engine has started (and warmed up), before the first sample."""
+    started(): called once the engine has started (and warmed up), before the first sample;
+    captured(): once every sample is committed, before the engine stops."""
     if cfg.dtype not in ("auto", "bfloat16", "float16", "float32"):
         raise UsageError(f"--dtype {cfg.dtype} is not supported by the vllm backend")
     t_load = time.perf_counter()
@@ -232,6 +233,8 @@ def run_vllm(cfg, model_dir, info, layer_ids, samples, shard_args, bar, t0, erro
             started()
         stats = ex.run(samples, cfg.output, *shard_args, on_done=done, on_reject=reject)
         extract_s = time.perf_counter() - t1  # the engine's shutdown is not extraction time
+        if captured is not None:
+            captured()
     finally:
         ex.close()
     stats["max_model_len"] = ex.max_model_len

@@ -89,10 +89,11 @@ def prepare_root(cfg: ExtractConfig, job: Job) -> None:
 
 
 def run_extract(cfg: ExtractConfig, progress: bool | None = None, reporter=None, source=None,
-                started=None, before_publish=None) -> Summary:
+                started=None, before_publish=None, captured=None) -> Summary:
     """One process, one engine: the whole dataset, or one partition of it (cfg.partition_index).
     source: another input than cfg.data as read (vx/pipeline/one_pass.py follows a regeneration);
     started(): called before the first sample, once the vLLM engine has started (hf: before its load);
+    captured(): once every sample is committed, before the vLLM engine stops;
     before_publish(): with -o s3://, called before new shards are published (vx/store/uploader.py)."""
     t0 = time.perf_counter()
     job = prepare_job(cfg, source)
@@ -108,7 +109,7 @@ def run_extract(cfg: ExtractConfig, progress: bool | None = None, reporter=None,
     elsewhere = root.committed_elsewhere(exclude=out)  # other partitions, of this run or an earlier one
     with out.lock():
         return _extract_locked(cfg, job, out, lines, elsewhere, progress, reporter, t0, root, started,
-                               before_publish)
+                               before_publish, captured)
 
 
 def _retainer(cfg: ExtractConfig, out: Output, root: Output, budget: int):
@@ -122,7 +123,7 @@ def _retainer(cfg: ExtractConfig, out: Output, root: Output, budget: int):
 
 
 def _extract_locked(cfg, job, out: Output, lines, elsewhere, progress, reporter, t0, root=None,
-                    started=None, before_publish=None) -> Summary:
+                    started=None, before_publish=None, captured=None) -> Summary:
     meta, info, layer_ids = job.meta, job.info, job.layer_ids
     state = out.open(meta, cfg.overwrite)
     out.begin_run()
@@ -177,7 +178,7 @@ def _extract_locked(cfg, job, out: Output, lines, elsewhere, progress, reporter,
             from vx.engine.vllm_extractor import run_vllm
 
             *stats, wstats = run_vllm(cfg, job.model_dir, info, layer_ids, chain([first], samples), shard_args, bar,
-                                      t0, errors, started)
+                                      t0, errors, started, captured)
             shards, nbytes = wstats.get("shards", 0), wstats.get("bytes", 0)
             peak_local = wstats.get("peak_local_bytes", 0)
             max_model_len = wstats.get("max_model_len")

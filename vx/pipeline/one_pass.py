@@ -11,8 +11,9 @@ generation and capture overlap on the device, each engine at its own --gpu-memor
 once vx's engine has started (an engine starting beside the generation slowed it by ~30%), and
 the capture starts once every conversation is committed: two engines computing at once on the
 same cores stall each other's OpenMP threads (generation ran at about half speed beside a
-following capture, bench/one_pass.py). On CPU the saving is the second engine's start, made
-beside the first's. Why not capture during generation on
+following capture, bench/one_pass.py). The regeneration's engine then idles until the capture
+is done and stops beside vx's engine (its stop, ~2 s of a core, made the capture ~1.3 s longer
+beside it). On CPU the saving is the second engine's start, made beside the first's. Why not capture during generation on
 one engine: vLLM's extract_hidden_states method, the contract vx's capture rides, schedules a
 draft position per request per decode step, which made generation 0.22-0.28x as fast on CPU and
 would halve a 27B target's batch on an H200 (docs/performance.md, capture during generation).
@@ -239,9 +240,11 @@ def run_one_pass(cfg, progress: bool | None = None, reporter=None):
         s = run_extract(replace(cfg, data=str(followed), regenerate=False, warm_up=not after_end,
                                 max_model_len=cfg.max_model_len + TAIL), progress=progress, reporter=reporter,
                         source=source, started=regen.release,  # a held regeneration generates once this engine has started
-                        before_publish=text.sync if text is not None else None)  # text in S3 before its states
+                        before_publish=text.sync if text is not None else None,  # text in S3 before its states
+                        captured=regen.done)  # a held regeneration's engine stops beside this one's
         raise_if_stopped()  # a stop a library swallowed came back as the capture's end: never release then
         regen.release()  # (a capture with nothing left to do starts no engine)
+        regen.done()  # (where the capture had no engine to stop)
         regen.wait()  # raises if it failed after its last commit
         if text is not None and not cfg.partitioned:  # a launcher finishes the merged file
             text.finish()
@@ -281,7 +284,11 @@ def main(argv: list[str]) -> int:
             if hold and sys.stdin.readline().strip() != "go":
                 raise VxError("the one-pass driver stopped before the generation could start")
 
-        return run_regenerate(RegenConfig(**d), reporter=events, ready=ready)
+        def before_stop():  # held: the engine idles until the capture is done (its stdin closed),
+            if hold:  # so its stop's work (~1.5 s of a core) never slows the capture's threads
+                sys.stdin.read()
+
+        return run_regenerate(RegenConfig(**d), reporter=events, ready=ready, before_stop=before_stop)
 
     return run_partition_worker(argv, run)
 

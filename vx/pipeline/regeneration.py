@@ -3,7 +3,8 @@
 
 On its stdin: the engine's max_model_len when the driver computed it while the child imported
 vLLM (LATER), then "go" when the driver holds it (CPU: the generation starts once the capture's
-engine has). On its stdout, JSON events: "ready" (its engine started), "committed" (every
+engine has), then its end (a held child stops its engine once the capture is done: CPU, where
+the capture follows the generation's end and would share the cores with that stop). On its stdout, JSON events: "ready" (its engine started), "committed" (every
 conversation fsynced; its engine may still be stopping), "summary".
 """
 
@@ -38,6 +39,7 @@ class Regeneration:
                                          env=full, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
                                          text=True, start_new_session=True)
         self.summary: dict | None = None
+        self.released = False  # "go" said
         self.committed = threading.Event()  # every conversation committed (the child's engine may still be stopping)
         self.ready = threading.Event()  # its engine started
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -47,13 +49,19 @@ class Regeneration:
         self._say(f"{n}\n")
 
     def release(self) -> None:
-        """A held child generates (idempotent; its stdin closes: nothing more is said)."""
-        if not self.proc.stdin.closed:
+        """A held child generates (idempotent)."""
+        if not self.released:
+            self.released = True
             self._say("go\n")
-            try:
-                self.proc.stdin.close()
-            except OSError:
-                pass
+
+    def done(self) -> None:
+        """Its stdin closes: nothing more is said (a held child stops its engine once it has
+        committed every conversation and read this; a released one waits for nothing)."""
+        self.release()
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
 
     def _say(self, line: str) -> None:
         try:

@@ -120,9 +120,11 @@ def start_engine(cfg, model_dir: Path, log: Path):
         return llm
 
 
-def generate(cfg, model_dir, tokenizer, chat, separate, first, convs, out, bar, stats, ready=None) -> dict:
+def generate(cfg, model_dir, tokenizer, chat, separate, first, convs, out, bar, stats, ready=None,
+             before_stop=None) -> dict:
     """Every conversation in flight in one engine; returns generate_s (first request to last commit).
-    ready(): called once the engine has started, before the first request."""
+    ready(): called once the engine has started, before the first request; before_stop(): once
+    every conversation is committed, before the engine stops (not after a failure)."""
     from vx.engine.liveness import start_watched
     from vx.engine.reaper import Reaper
     from vx.engine.vllm_engine import stop_engine, tokens_input
@@ -223,6 +225,9 @@ def generate(cfg, model_dir, tokenizer, chat, separate, first, convs, out, bar, 
         out.commit()
         t_done = time.perf_counter()  # every conversation written and fsynced; the engine's stop is not generation
         bar.emit("committed")  # a follower (vx extract --regenerate) may finish while the engine stops
+        if before_stop is not None:  # every conversation committed: the engine's death loses nothing from
+            watch.close()  # now on (watched, it would end this process with an error after GRACE_S)
+            before_stop()
     finally:
         with contextlib.suppress(Exception):
             stop_engine(raw_engine, watch)

@@ -68,9 +68,11 @@ def partition_rows(cfg: RegenConfig, source: Input, model_dir: Path):
     return mine, int(mine.sum())
 
 
-def run_regenerate(cfg: RegenConfig, progress: bool | None = None, reporter=None, ready=None) -> dict:
+def run_regenerate(cfg: RegenConfig, progress: bool | None = None, reporter=None, ready=None,
+                   before_stop=None) -> dict:
     """One process: the whole input, or one partition of it (cfg.partition_index). ready(): called
-    once the engine has started, before its first request (the one-pass job sequences its engines)."""
+    once the engine has started, before its first request; before_stop(): once every conversation
+    is committed, before the engine stops (the one-pass job sequences its engines)."""
     from vx.data.model import load_tokenizer, resolve_model
     from vx.monitor.progress import RunProgress
 
@@ -127,7 +129,7 @@ def run_regenerate(cfg: RegenConfig, progress: bool | None = None, reporter=None
             from vx.regenerate.engine import generate
 
             stats.update(generate(cfg, model_dir, tokenizer, chat, separate, first, convs, out, bar, stats,
-                                  ready))
+                                  ready, before_stop))
         state = "done"
     finally:
         out.close()
