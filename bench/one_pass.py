@@ -38,7 +38,10 @@ PROMPTS = ROOT.parent / "shared" / "data" / "chat" / "sharegpt_prompts.jsonl"
 
 
 def vx(*args: str) -> dict:
-    r = subprocess.run([sys.executable, "-m", "vx", *args, "--json"], capture_output=True, text=True, cwd=ROOT)
+    """A `vx` command as a user runs it: this interpreter's `vx` script (`python -m vx` where there is none)."""
+    script = Path(sys.executable).with_name("vx")
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "vx"]
+    r = subprocess.run([*cmd, *args, "--json"], capture_output=True, text=True, cwd=ROOT)
     if r.returncode != 0:
         raise SystemExit(f"vx {' '.join(args)} failed:\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
