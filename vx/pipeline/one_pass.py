@@ -13,10 +13,11 @@ the capture starts once every conversation is committed: two engines computing a
 same cores stall each other's OpenMP threads (generation ran at about half speed beside a
 following capture, bench/one_pass.py). The regeneration's engine then idles until the capture
 is done and stops beside vx's engine (its stop, ~2 s of a core, made the capture ~1.3 s longer
-beside it). On CPU the saving is the second engine's start, made beside the first's. Why not capture during generation on
-one engine: vLLM's extract_hidden_states method, the contract vx's capture rides, schedules a
-draft position per request per decode step, which made generation 0.22-0.28x as fast on CPU and
-would halve a 27B target's batch on an H200 (docs/performance.md, capture during generation).
+beside it). On CPU the saving is the second engine's start, made beside the first's. Why not
+capture during generation on one engine: vLLM's extract_hidden_states method, the contract vx's
+capture rides, schedules a draft position per request per decode step, which made generation
+0.22-0.28x as fast on CPU and would halve a 27B target's batch on an H200 (docs/performance.md,
+capture during generation).
 The stored rows are the chat template's rendering of each regenerated conversation, tokenized:
 exactly what `vx extract OUT/regenerated.jsonl` would store.
 
@@ -285,7 +286,7 @@ def main(argv: list[str]) -> int:
                 raise VxError("the one-pass driver stopped before the generation could start")
 
         def before_stop():  # held: the engine idles until the capture is done (its stdin closed),
-            if hold:  # so its stop's work (~1.5 s of a core) never slows the capture's threads
+            if hold:  # so its stop's work (~2 s of a core) never slows the capture's threads
                 sys.stdin.read()
 
         return run_regenerate(RegenConfig(**d), reporter=events, ready=ready, before_stop=before_stop)

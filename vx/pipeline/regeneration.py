@@ -4,8 +4,9 @@
 On its stdin: the engine's max_model_len when the driver computed it while the child imported
 vLLM (LATER), then "go" when the driver holds it (CPU: the generation starts once the capture's
 engine has), then its end (a held child stops its engine once the capture is done: CPU, where
-the capture follows the generation's end and would share the cores with that stop). On its stdout, JSON events: "ready" (its engine started), "committed" (every
-conversation fsynced; its engine may still be stopping), "summary".
+the capture follows the generation's end and would share the cores with that stop). On its
+stdout, JSON events: "ready" (its engine started), "committed" (every conversation fsynced; its
+engine may still be stopping), "summary".
 """
 
 from __future__ import annotations

@@ -19,10 +19,10 @@ from pathlib import Path
 
 from vx.engine.fast_exit import in_spawned_child
 from vx.launch.workers import failed_partitions
-
-in_spawned_child()  # a partition worker's engine core and worker import this module first: their quick exit
 from vx.regenerate.config import RegenConfig
 from vx.regenerate.output import merge_parts, parts_dir
+
+in_spawned_child()  # a partition worker's engine core and worker import this module first: their quick exit
 
 MODULE = "vx.regenerate.partitions"
 SUM = ("conversations", "turns", "generated_tokens", "truncated", "dropped", "errors", "skipped")
