@@ -6,12 +6,10 @@ vx.errors.run_guarded takes the signals over before any work."""
 
 import os
 import signal
-import sys
 
-if "__mp_main__" in sys.modules:  # imported in a process vLLM spawned from this command: its quick exit
-    from vx.engine.fast_exit import in_spawned_child  # (a regeneration's engine core has no vx code else)
+from vx.engine.fast_exit import in_spawned_child
 
-    in_spawned_child()
+in_spawned_child()  # a process vLLM spawned from this command imports this module first: its quick exit
 
 
 def _before_start(signum, frame) -> None:

@@ -21,20 +21,23 @@ from __future__ import annotations
 import atexit
 import sys
 
-from vx.errors import quiet_teardown
-
 _installed = False
 
 
 def install() -> None:
     global _installed
     if not _installed:
+        from vx.errors import quiet_teardown  # here: the vx command imports this module before its signals
+
         _installed = True
         atexit.register(quiet_teardown)
 
 
 def in_spawned_child() -> None:
-    """install(), in a process multiprocessing spawned from a vx command (its main module imported
-    as __mp_main__); nothing in the command's own process."""
-    if "__mp_main__" in sys.modules:
+    """install(), while multiprocessing imports a vx command's main module in a process it spawned:
+    that import runs as __mp_main__ beside the child's own __main__ (multiprocessing.spawn.prepare).
+    In the command's own process __mp_main__ is absent, or (once multiprocessing is imported) an
+    alias of __main__: nothing then."""
+    mp_main = sys.modules.get("__mp_main__")
+    if mp_main is not None and mp_main is not sys.modules.get("__main__"):
         install()
