@@ -335,3 +335,37 @@ def test_ctrl_c_while_the_engine_starts_ends_the_run_in_seconds_not_when_the_sta
     while procfs.tagged(tag.encode()):
         assert time.monotonic() - sent < 30, f"left running: {procfs.tagged(tag.encode())}"
         time.sleep(0.2)
+
+
+SPAWNS = '''
+import multiprocessing, sys
+{entry}
+
+def child(q):
+    import vx.engine.fast_exit as quick
+    q.put(quick._installed)
+
+if __name__ == "__main__":
+    import vx.engine.fast_exit as quick
+    ctx = multiprocessing.get_context("spawn")  # how vLLM starts its engine core and worker on CPU
+    q = ctx.Queue()
+    p = ctx.Process(target=child, args=(q,))
+    p.start()
+    print(quick._installed, q.get())
+    p.join()
+'''
+
+
+def test_processes_spawned_from_a_vx_command_exit_without_the_final_collection_and_the_command_keeps_its_own(
+        tmp_path):
+    """A regeneration's engine core has no vx code of its own; Python imports the parent's main
+    module first in a spawned process, so a vx command's main module installs the quick exit
+    there (vx/engine/fast_exit.py), and only there. As the `vx` script (a path) and as `python -m`
+    (a module) run it."""
+    (tmp_path / "as_script.py").write_text(SPAWNS.format(entry="from vx.__main__ import run  # the vx script"))
+    (tmp_path / "as_module.py").write_text(SPAWNS.format(entry="import vx.pipeline.one_pass  # -m vx.pipeline.one_pass"))
+    for run in ([sys.executable, str(tmp_path / "as_script.py")], [sys.executable, "-m", "as_module"]):
+        r = subprocess.run(run, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                           env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)])))
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert r.stdout.split() == ["False", "True"], (run, r.stdout)  # the command: no; its spawned child: yes
