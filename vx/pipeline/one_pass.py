@@ -285,11 +285,11 @@ def main(argv: list[str]) -> int:
             if hold and sys.stdin.readline().strip() != "go":
                 raise VxError("the one-pass driver stopped before the generation could start")
 
-        def before_stop():  # held: the engine idles until the capture is done (its stdin closed),
-            if hold:  # so its stop's work (~2 s of a core) never slows the capture's threads
-                sys.stdin.read()
+        def until_captured():  # held: the engine idles until the capture is done (its stdin closed),
+            sys.stdin.read()  # so its stop's work (~2 s of a core) never slows the capture's threads
 
-        return run_regenerate(RegenConfig(**d), reporter=events, ready=ready, before_stop=before_stop)
+        return run_regenerate(RegenConfig(**d), reporter=events, ready=ready,
+                              before_stop=until_captured if hold else None)
 
     return run_partition_worker(argv, run)
 
