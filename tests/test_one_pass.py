@@ -93,15 +93,15 @@ def test_sigterm_as_the_engine_starts_then_a_kill_9_mid_run_then_a_rerun_leave_e
     captured_before = committed_lines(manifest)
     assert 0 < captured_before
 
-    records = [json.loads(line) for line in (ROOT / "examples/chat.jsonl").read_text().splitlines() if line]
-    want = [r["id"] for r in records if "messages" in r or "conversations" in r]  # text records have no turns
-    assert 0 < len(want) < len(records)
-
     r = subprocess.run(one_pass(out, "--verify", "4"), cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads(r.stdout)
     assert summary["regenerated"]["skipped"] > 0  # the rerun continued the conversations already written
     assert summary["verify"]["ok"] and summary["verify"]["samples_checked"] == 4  # --verify covers this mode
+
+    records = [json.loads(line) for line in (ROOT / "examples/chat.jsonl").read_text().splitlines() if line]
+    want = [r["id"] for r in records if "messages" in r or "conversations" in r]  # text records have no turns
+    assert 0 < len(want) < len(records)
     convs = [json.loads(line) for line in regen.read_text().splitlines() if line.strip()]
     assert sorted(c["id"] for c in convs) == sorted(want)  # every conversation once in the text
     ds = vx.open_dataset(out)
