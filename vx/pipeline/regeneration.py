@@ -26,8 +26,8 @@ LATER = "stdin"   # the child's max_model_len when the driver computes it while 
 
 
 class Regeneration:
-    """The child process that regenerates into OUT/regenerated.jsonl (its own session, dying with
-    this process); finished() for the following input: True once it exited 0, raising if it failed."""
+    """The child process that regenerates into OUT/regenerated.jsonl (its own process group, dying
+    with this process); finished() for the following input: True once it exited 0, raising if it failed."""
 
     def __init__(self, conf: dict, env: dict[str, str], log: Path, hold: bool = False):
         self.log = log
@@ -35,10 +35,14 @@ class Regeneration:
         conf = dict(conf, hold=hold)  # hold: its engine started, it waits for release()
         if not conf["max_model_len"]:
             conf["max_model_len"] = LATER  # sent by send_max_model_len(), while the child imports
+        # its own process group (stop() signals it whole; a terminal's Ctrl-C reaches this process only)
+        # but this process's session: Linux schedules each session as one group (autogroup), and two
+        # engines whose OpenMP threads share cores from two sessions starve each other's bound thread
+        # for seconds (CPU: the regeneration's weights loaded in 2.4 s beside vx's start, 0.15 s alone)
         with open(log, "a") as err:
             self.proc = subprocess.Popen([sys.executable, "-m", "vx.pipeline.one_pass", json.dumps(conf)],
                                          env=full, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                                         text=True, start_new_session=True)
+                                         text=True, process_group=0)
         self.summary: dict | None = None
         self.released = False  # "go" said
         self.committed = threading.Event()  # every conversation committed (the child's engine may still be stopping)
