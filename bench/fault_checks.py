@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import struct
 from collections import Counter
 from pathlib import Path

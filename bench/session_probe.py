@@ -14,7 +14,7 @@ one-pass mode must prefill the rendering instead (the probe reports them, match 
 
     python bench/session_probe.py [conversations] [max_tokens]
 """
-import asyncio, json, os, sys, time, tempfile
+import asyncio, os, sys, time, tempfile
 from pathlib import Path
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 from vx.device import engine_env

@@ -3,7 +3,6 @@ file, else JSONL), decompressed as a stream, and read as (row number, record, pr
 
 from __future__ import annotations
 
-import gzip
 import io
 import json
 from typing import Iterator

@@ -22,7 +22,6 @@ from pathlib import Path
 
 from vx.errors import UsageError
 from vx.store.format import (
-    DROPPED,
     END,
     ERRORS,
     MANIFEST,
