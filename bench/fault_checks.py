@@ -178,9 +178,15 @@ def text_matches_states(out: Output, headers: dict[str, dict], regenerated: byte
 
 
 def no_temp_files(*roots: Path) -> list[str]:
-    """Nothing half-written left beside committed files (temp shards, temp manifests)."""
+    """Nothing half-written left beside committed files (temp shards, temp manifests). A temp file
+    named for a process still running (vx.store.lock.temp_for: .NAME.HOST.PID.tmp, a follow
+    reader's record being written as the check looks) is in flight, not left."""
+    def in_flight(p: Path) -> bool:
+        pid = p.name[:-len(".tmp")].rpartition(".")[2] if p.name.endswith(".tmp") else ""
+        return pid.isdigit() and Path(f"/proc/{pid}").exists()
+
     left = [str(p) for root in roots if root.exists() for p in root.rglob("*")
-            if p.is_file() and (p.name.endswith(".tmp") or (p.name.startswith(".shard-")))]
+            if p.is_file() and (p.name.endswith(".tmp") or (p.name.startswith(".shard-"))) and not in_flight(p)]
     return [f"temp files left: {left[:5]}"] if left else []
 
 
