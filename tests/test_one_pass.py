@@ -291,6 +291,45 @@ def test_partitions_run_one_job_each_in_any_order_and_the_last_to_end_writes_the
     for c in convs:
         rendered = tokenizer.apply_chat_template(c["messages"], tokenize=False)
         assert ds[c["id"]]["input_ids"].tolist() == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    assert reported_lines(out / "regenerated.jsonl.errors.jsonl") == bad_lines()  # both jobs' bad records
+
+
+def bad_lines(data: Path = ROOT / "examples/chat.jsonl") -> list[int]:
+    """The 1-based lines of data that hold no conversation: what the regeneration must report."""
+    lines = data.read_text().splitlines()
+    return [i for i, line in enumerate(lines, 1) if line.strip() and not {"messages", "conversations"} & set(json.loads(line))]
+
+
+def reported_lines(errors: Path) -> list[int]:
+    return sorted(json.loads(line)["line"] for line in errors.read_text().splitlines() if line.strip())
+
+
+def test_partitions_on_two_machines_to_s3_leave_one_text_and_every_bad_record_there(tmp_path, tiny_model):
+    """--partition-index 0 and 1 to one s3:// output from two machines (each its own staging): the
+    last to end writes S3's regenerated.jsonl, every conversation once, and S3's errors file every
+    bad record of the input once, those of the other machine's partition too (its disk may be gone)."""
+    from conftest import machine_cache
+    from s3_faults import free_port
+    from test_s3 import CREDS, download, start_s3_process
+
+    proc, url, client = start_s3_process(free_port())
+    try:
+        for i in (0, 1):
+            r = subprocess.run(one_pass("s3://vx-out/parts", "--endpoint-url", url, "--num-partitions", "2",
+                                        "--partition-index", str(i), backend="hf"),
+                               cwd=ROOT, capture_output=True, text=True, timeout=900,
+                               env=dict(os.environ, **CREDS, VX_CACHE_DIR=machine_cache(tmp_path / f"machine-{i}")))
+            assert r.returncode == 0, r.stderr[-3000:]
+        assert json.loads(r.stdout)["regenerated"]["merged"] is True
+        download(client, "vx-out", "parts", tmp_path / "s3")
+        records = [json.loads(line) for line in (ROOT / "examples/chat.jsonl").read_text().splitlines() if line]
+        want = sorted(r["id"] for r in records if "messages" in r or "conversations" in r)
+        convs = [json.loads(line) for line in (tmp_path / "s3" / "regenerated.jsonl").read_text().splitlines()
+                 if line.strip()]
+        assert sorted(c["id"] for c in convs) == want == sorted(vx.open_dataset(tmp_path / "s3").ids)
+        assert reported_lines(tmp_path / "s3" / "regenerated.jsonl.errors.jsonl") == bad_lines()
+    finally:
+        proc.kill()
 
 
 def test_a_followed_input_yields_committed_rows_only_and_after_its_end_when_asked(tmp_path):

@@ -93,3 +93,27 @@ def test_ray_tasks_write_the_same_output(single, tmp_path):
     finally:
         ray.shutdown()
     assert_same(read(out), ref)
+
+
+def test_a_merge_beside_a_part_still_written_keeps_the_bad_records_it_took(tmp_path):
+    """A merge while partition 1 is still written (its rerun holds the part's lock) takes partition
+    0's conversations and bad records, and leaves partition 1 for its own merge; that one adds
+    partition 1's without losing partition 0's: every bad record once in OUTPUT.errors.jsonl,
+    however many merges ran."""
+    from vx.regenerate.output import merge_parts, part_path, sidecar
+    from vx.store.lock import try_lock
+
+    out = tmp_path / "r.jsonl"
+    for i in (0, 1):
+        part = part_path(out, i, 2)
+        part.parent.mkdir(parents=True, exist_ok=True)
+        part.write_text(json.dumps({"id": f"c{i}", "messages": []}) + "\n")
+        sidecar(part, ".errors.jsonl").write_text(json.dumps({"line": 10 + i, "reason": "no 'messages'"}) + "\n")
+    writer, _ = try_lock(sidecar(part_path(out, 1, 2), ".lock"))
+    assert merge_parts(out, 2)["complete"] is False
+    writer.close()
+    assert merge_parts(out, 2)["complete"] is True
+    assert merge_parts(out, 2)["complete"] is True  # merged before: nothing changes
+    assert sorted(read(out)) == ["c0", "c1"]
+    lines = sidecar(out, ".errors.jsonl").read_text().splitlines()
+    assert sorted(json.loads(x)["line"] for x in lines) == [10, 11]

@@ -249,6 +249,8 @@ def run_one_pass(cfg, progress: bool | None = None, reporter=None):
         regen.wait()  # raises if it failed after its last commit
         if text is not None and not cfg.partitioned:  # a launcher finishes the merged file
             text.finish()
+        elif text is not None:  # and gathers every partition's bad records from S3 (their nodes' disks may be gone)
+            text.put_errors()
     finally:
         regen.stop()
         os.sched_setaffinity(0, cores)

@@ -16,6 +16,10 @@ it, the regeneration would write new text for conversations whose old states the
 - finish(), once every partition is done: the whole file as one segment (the older ones deleted),
   and a copy as PREFIX/regenerated.jsonl, what users read; merge_from_s3() first where the
   partitions ran on other nodes (--ray, --partition-index: merge_when_complete).
+- put_errors(), once a partition's regeneration has ended: its bad records (every run reports all
+  of its partition's) as PREFIX/regenerated.jsonl.errors.d/<part>.jsonl, replacing its earlier
+  run's; merge_from_s3() gathers them into PREFIX/regenerated.jsonl.errors.jsonl, as a single
+  run's are.
 
 Segments sort by the writer's clock: runs of one output follow each other (a rerun starts after a
 crash), not at once.
@@ -34,7 +38,7 @@ from pathlib import Path
 from vx import faults
 from vx.data.follow import committed_bytes
 from vx.errors import UsageError
-from vx.store.format import GENERATION, REGENERATED, TEXT_SEGMENTS
+from vx.store.format import GENERATION, REGENERATED, TEXT_ERRORS, TEXT_SEGMENTS
 from vx.regenerate.output import mark_committed, truncate_torn
 
 
@@ -147,17 +151,33 @@ class RegeneratedText:
         return text
 
     # -- after the run -----------------------------------------------------------------------------
+    def _errors_path(self) -> Path:
+        return self.path.with_name(self.path.name + ".errors.jsonl")
+
+    def put_errors(self) -> None:
+        """This partition's bad records (path's errors file) into S3, for merge_from_s3."""
+        errors = self._errors_path()
+        if errors.exists():
+            self.client.put_object(Bucket=self.target.bucket, Key=self.target.key(f"{TEXT_ERRORS}/{self.part}.jsonl"),
+                                   Body=errors.read_bytes())
+
     def merge_from_s3(self) -> int:
-        """path := every conversation's latest text in S3 (the partitions ran on other nodes), then
-        finish(); returns the conversations."""
+        """path := every conversation's latest text in S3 (the partitions ran on other nodes), and
+        its errors file every partition's bad records; then finish(); returns the conversations."""
         text = self._latest()
-        tmp = self.path.with_name(self.path.name + ".tmp")
+        errors = b""
+        for page in self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.target.bucket, Prefix=self.target.key(TEXT_ERRORS + "/")):
+            for o in sorted(page.get("Contents", []), key=lambda o: o["Key"]):
+                errors += self.client.get_object(Bucket=self.target.bucket, Key=o["Key"])["Body"].read()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
-            f.write(b"".join(text.values()))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        for path, body in ((self.path, b"".join(text.values())), (self._errors_path(), errors)):
+            tmp = path.with_name(path.name + ".tmp")
+            with open(tmp, "wb") as f:
+                f.write(body)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
         mark_committed(self.path)
         self.finish()
         return len(text)
@@ -170,7 +190,7 @@ class RegeneratedText:
         self._compact(body)
         self.offset = len(body)
         put_file(self.target, self.endpoint_url, self.path, REGENERATED)
-        errors = self.path.with_name(self.path.name + ".errors.jsonl")
+        errors = self._errors_path()
         if errors.exists():
             put_file(self.target, self.endpoint_url, errors, errors.name)
 

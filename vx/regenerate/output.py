@@ -164,7 +164,9 @@ def merge_parts(output: Path, count: int) -> dict:
         if not any(p.exists() or sidecar(p, ".errors.jsonl").exists() for p in parts):
             return {"merged": 0, "conversations": len(have), "complete": True}  # merged before
         added, held = 0, []
-        with open(output, "ab") as out, open(sidecar(output, ".errors.jsonl"), "wb") as errors:
+        errors_path = sidecar(output, ".errors.jsonl")  # kept: the errors of parts an earlier merge took
+        reported = set(errors_path.read_bytes().splitlines(keepends=True)) if errors_path.exists() else set()
+        with open(output, "ab") as out, open(errors_path, "ab") as errors:
             for part in parts:
                 part_lock, writer = try_lock(sidecar(part, ".lock"))
                 if writer:  # a worker is still writing it (a rerun): its own merge takes it later
@@ -180,8 +182,11 @@ def merge_parts(output: Path, count: int) -> dict:
                                 out.write(line)
                                 have.add(sid)
                                 added += 1
-                if sidecar(part, ".errors.jsonl").exists():
-                    errors.write(sidecar(part, ".errors.jsonl").read_bytes())
+                if sidecar(part, ".errors.jsonl").exists():  # each bad record once, however many merges
+                    for line in sidecar(part, ".errors.jsonl").read_bytes().splitlines(keepends=True):
+                        if line.endswith(b"\n") and line not in reported:
+                            errors.write(line)
+                            reported.add(line)
             out.flush()
             os.fsync(out.fileno())
             faults.point("after-merge")

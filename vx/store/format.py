@@ -175,4 +175,5 @@ RUN_FILES = (MANIFEST, ERRORS, RUN_META, END, DROPPED, PROGRESS, HISTORY)
 REGENERATED = "regenerated.jsonl"
 GENERATION = "regenerate.json"  # how they were generated: a rerun continues only with the same options
 TEXT_SEGMENTS = REGENERATED + ".d"
+TEXT_ERRORS = REGENERATED + ".errors.d"  # partitions' bad records, one object each, merged into the root's errors file
 TEXT_FILES = (REGENERATED, REGENERATED + ".errors.jsonl", GENERATION)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from vx.errors import UsageError
 from vx.s3_client import S3Target, make_client
-from vx.store.format import DROPPED, MANIFEST, READERS, RUN_FILES, RUN_META, TEXT_FILES, TEXT_SEGMENTS
+from vx.store.format import DROPPED, MANIFEST, READERS, RUN_FILES, RUN_META, TEXT_ERRORS, TEXT_FILES, TEXT_SEGMENTS
 from vx.store.lock import write_atomically
 
 
@@ -125,7 +125,7 @@ def layout_names(client, target: S3Target):
                 yield obj["Key"], name
             elif head == READERS:  # follow readers' records: --overwrite starts a new stream
                 yield obj["Key"], name
-            elif (not head and base in TEXT_FILES) or head == TEXT_SEGMENTS:  # the one-pass mode's text
+            elif (not head and base in TEXT_FILES) or head in (TEXT_SEGMENTS, TEXT_ERRORS):  # the one-pass mode's text
                 yield obj["Key"], name
 
 
