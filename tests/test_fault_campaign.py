@@ -88,6 +88,13 @@ REGRESSIONS = [
     # test_engine_lifetime's SIGTERM-to-the-core step is its CI counterpart
     {"mode": "extract-vllm", "sink": "local", "dp": 1, "follow": False, "retain": False, "index": 35, "seed": 61,
      "fault": {"kind": "signal", "target": "engine", "sig": "TERM", "at": 0.2758604849269048}},
+    # SIGINT to the one-pass driver's group (Ctrl-C in a terminal) as its capture engine started: the
+    # engine's core ended its start on the signal, and vLLM, its own wait for the core broken by the
+    # stop, waited on a socket nothing answered (no exit in 60 s). The watch now leaves on a core that
+    # ended its start on a stop. Two engines: test_engine_lifetime's Ctrl-C-during-the-start test,
+    # to the group, is its regression in CI
+    {"mode": "one-pass", "sink": "local", "dp": 1, "follow": False, "retain": False, "index": 25, "seed": 65,
+     "fault": {"kind": "signal", "target": "group", "sig": "INT", "at": 0.4930195175241662}},
 ]
 
 

@@ -99,6 +99,7 @@ class EngineWatch:
         self._call: tuple[str, float | None] | None = None  # (what, deadline) of the current call
         self._late: str | None = None          # a call past its deadline
         self._stopped_at: float | None = None  # when a stop was first seen during the engine's start
+        self._ended: set[int] = set()  # cores that ended their start on a stop
         self._stop = threading.Event()  # close(): the driver stops the engine itself now
         self._main = threading.main_thread().ident if threading.current_thread() is threading.main_thread() else None
         self._old_handler = signal.signal(WAKE, self._on_wake) if self._main else None
@@ -193,7 +194,7 @@ class EngineWatch:
         while not self._stop.is_set():
             if not self._attached:
                 for p in _mp_children() - self._before:
-                    if p.pid is not None:
+                    if p.pid is not None and p.pid not in self._ended:
                         self._cores.setdefault(p.pid, p)
             cores = list(self._cores.items())
             sentinels = {}
@@ -218,7 +219,14 @@ class EngineWatch:
                 pid, p = sentinels[ready[0]]
                 code = self._exitcode(p)
                 if not self._attached and code is not None and code >= 0:
-                    return  # a start that failed: vLLM raises it with its cause (in the engine's log)
+                    if not stop_requested():
+                        return  # a start that failed: vLLM raises it with its cause (in the engine's log)
+                    # the core ended its start on the stop (Ctrl-C to the group reaches it too), and the
+                    # stop broke vLLM's own wait for it: vLLM then waits on a socket nothing will answer
+                    # (campaign seed 65, trial 25: no exit in 60 s). The driver leaves (_leave_start).
+                    self._cores.pop(pid, None)
+                    self._ended.add(pid)
+                    continue
                 return self._lost(f"{self.label} (pid {pid}) died: {how_it_ended(code)}")
             if dead_worker is not None:
                 return self._lost(f"{self.label}'s worker process (pid {dead_worker}) died")
