@@ -192,8 +192,11 @@ class Campaign:
             path = self.work / f"{name}.jsonl"
             path.write_text("".join(json.dumps(r) + "\n" for r in rows))
             self.data[name] = (path, [r["id"] for r in rows])
-        clean = [("extract-hf", "small")] + [(m, k) for m, k in (("extract-hf", "multipart"), ("extract-vllm", "small"))
-                                             if m in modes]  # the hf run of the small set: every trial's reference
+        # the hf run of the small set: every trial's reference; every mode's: the span its signals' moments are drawn over
+        # (a guess there drew most of the one pass's signals after its end)
+        clean = [("extract-hf", "small")] + [(m, k) for m, k in (("extract-hf", "multipart"), ("extract-vllm", "small"),
+                                                                 ("regenerate", "small"), ("one-pass", "small"))
+                                             if m in modes]
         for mode, kind in clean:
             if (mode, kind) in self.clean_s:
                 continue
