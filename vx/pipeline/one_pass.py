@@ -247,10 +247,8 @@ def run_one_pass(cfg, progress: bool | None = None, reporter=None):
         regen.release()  # (a capture with nothing left to do starts no engine)
         regen.done()  # (where the capture had no engine to stop)
         regen.wait()  # raises if it failed after its last commit
-        if text is not None and not cfg.partitioned:  # a launcher finishes the merged file
-            text.finish()
-        elif text is not None:  # and gathers every partition's bad records from S3 (their nodes' disks may be gone)
-            text.put_errors()
+        if text is not None:  # a launcher finishes the merged file, gathering each partition's bad records from S3
+            text.put_errors() if cfg.partitioned else text.finish()
     finally:
         regen.stop()
         os.sched_setaffinity(0, cores)
