@@ -66,12 +66,15 @@ class RegeneratedText:
         self._nonce = uuid.uuid4().hex[:8]
 
     # -- segments ----------------------------------------------------------------------------------
-    def _segments(self) -> list[str]:
+    def _keys(self, folder: str) -> list[str]:
         keys = []
         for page in self.client.get_paginator("list_objects_v2").paginate(
-                Bucket=self.target.bucket, Prefix=self.target.key(TEXT_SEGMENTS + "/")):
+                Bucket=self.target.bucket, Prefix=self.target.key(folder + "/")):
             keys += [o["Key"] for o in page.get("Contents", [])]
         return sorted(keys)
+
+    def _segments(self) -> list[str]:
+        return self._keys(TEXT_SEGMENTS)
 
     def _put_segment(self, body: bytes) -> str:
         if self.generation is not None and self.generation.exists():  # how the text was generated, first
@@ -165,11 +168,8 @@ class RegeneratedText:
         """path := every conversation's latest text in S3 (the partitions ran on other nodes), and
         its errors file every partition's bad records; then finish(); returns the conversations."""
         text = self._latest()
-        errors = b""
-        for page in self.client.get_paginator("list_objects_v2").paginate(
-                Bucket=self.target.bucket, Prefix=self.target.key(TEXT_ERRORS + "/")):
-            for o in sorted(page.get("Contents", []), key=lambda o: o["Key"]):
-                errors += self.client.get_object(Bucket=self.target.bucket, Key=o["Key"])["Body"].read()
+        errors = b"".join(self.client.get_object(Bucket=self.target.bucket, Key=key)["Body"].read()
+                          for key in self._keys(TEXT_ERRORS))
         self.path.parent.mkdir(parents=True, exist_ok=True)
         for path, body in ((self.path, b"".join(text.values())), (self._errors_path(), errors)):
             tmp = path.with_name(path.name + ".tmp")
