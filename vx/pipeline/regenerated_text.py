@@ -39,6 +39,7 @@ from vx import faults
 from vx.data.follow import committed_bytes
 from vx.errors import UsageError
 from vx.store.format import GENERATION, REGENERATED, TEXT_ERRORS, TEXT_SEGMENTS
+from vx.store.lock import write_atomically
 from vx.regenerate.output import mark_committed, truncate_torn
 
 
@@ -159,10 +160,11 @@ class RegeneratedText:
 
     def put_errors(self) -> None:
         """This partition's bad records (path's errors file) into S3, for merge_from_s3."""
+        from vx.store.s3 import put_file
+
         errors = self._errors_path()
         if errors.exists():
-            self.client.put_object(Bucket=self.target.bucket, Key=self.target.key(f"{TEXT_ERRORS}/{self.part}.jsonl"),
-                                   Body=errors.read_bytes())
+            put_file(self.target, self.endpoint_url, errors, f"{TEXT_ERRORS}/{self.part}.jsonl")
 
     def merge_from_s3(self) -> int:
         """path := every conversation's latest text in S3 (the partitions ran on other nodes), and
@@ -171,13 +173,8 @@ class RegeneratedText:
         errors = b"".join(self.client.get_object(Bucket=self.target.bucket, Key=key)["Body"].read()
                           for key in self._keys(TEXT_ERRORS))
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        for path, body in ((self.path, b"".join(text.values())), (self._errors_path(), errors)):
-            tmp = path.with_name(path.name + ".tmp")
-            with open(tmp, "wb") as f:
-                f.write(body)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+        write_atomically(self.path, b"".join(text.values()), durable=True)
+        write_atomically(self._errors_path(), errors, durable=True)
         mark_committed(self.path)
         self.finish()
         return len(text)
@@ -259,12 +256,7 @@ def _keep_only(path: Path, want: dict[str, bytes]) -> set[str]:
     if len(keep) < len(lines):
         print(f"vx: {len(lines) - len(keep)} regenerated conversations in {path} differ from the text of their "
               "states in S3; S3's kept", file=sys.stderr)
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:
-            f.write(b"".join(keep))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_atomically(path, b"".join(keep), durable=True)
         mark_committed(path)
     return {i for line in keep if (i := _id(line)) in want}
 

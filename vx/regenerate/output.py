@@ -182,8 +182,9 @@ def merge_parts(output: Path, count: int) -> dict:
                                 out.write(line)
                                 have.add(sid)
                                 added += 1
-                if sidecar(part, ".errors.jsonl").exists():  # each bad record once, however many merges
-                    for line in sidecar(part, ".errors.jsonl").read_bytes().splitlines(keepends=True):
+                part_errors = sidecar(part, ".errors.jsonl")
+                if part_errors.exists():  # each bad record once, however many merges
+                    for line in part_errors.read_bytes().splitlines(keepends=True):
                         if line.endswith(b"\n") and line not in reported:
                             errors.write(line)
                             reported.add(line)
