@@ -141,3 +141,19 @@ def test_qwen3_next_hybrid_gdn_moe_matches_hf(cache_dir, tmp_path):
     # The tiny model routes every token to all its experts (vx/data/tiny.py says why), so the MoE
     # layers are held to the dense bound: observed 0.99994 / 0.012.
     assert_matches(ds, samples, hf_reference(model, samples, [0, 2, 3]))
+
+
+def test_a_dense_llama_whose_capture_layer_shares_the_attention_kv_group_matches_hf(cache_dir, tmp_path):
+    """Every layer full attention: vLLM puts the cache-only capture layer in the same KV group (one
+    block table) as the attention layers, instead of a group of its own as for hybrid models."""
+    from vx.data.tiny import build_tiny_llama
+
+    model = build_tiny_llama(cache_dir / "tiny-llama")
+    eng = VllmExtractor(model, [0, 3, 5], max_num_batched_tokens=MAX_BATCHED, max_num_seqs=MAX_SEQS,
+                        gpu_memory_utilization=0.1)
+    try:
+        samples = mixed_samples(500, n=16, seed=9)
+        ds = extract(eng, samples, tmp_path, 192)
+    finally:
+        eng.close()
+    assert_matches(ds, samples, hf_reference(model, samples, [0, 3, 5]))

