@@ -63,8 +63,8 @@ def report_lines(r) -> list[str]:
     lines = [f"samples      {n} recomputed with the HF reference, {r.reference or 'not run'}",
              f"bound        {bound}"]
     for w in r.worst_by_layer():
-        lines.append(f"layer {w['layer']:<6} min cosine {w['min_cosine']:.6f}   max |diff| {w['max_abs_diff']:.3g}"
-                     f"   (worst: sample {w['worst_sample']})")
+        lines.append(f"layer {w['layer']:<6} min cosine {w['min_cosine']:.6f}   max |diff| {w['max_rel_diff']:.3g} x "
+                     f"max |ref| ({w['max_abs_diff']:.3g})   (worst: sample {w['worst_sample']})")
     return lines
 
 

@@ -75,4 +75,5 @@ def check_vllm_contract(engine_kwargs: dict) -> None:
     model_cls, arch = ModelRegistry.resolve_model_cls(model_config.architectures, model_config)
     if not supports_eagle3(model_cls):
         raise UsageError(f"vLLM's {arch} ({model_cls.__name__}) does not implement the EAGLE-3 aux hidden-state "
-                         "interface (SupportsEagle3), so its layers' residual streams cannot be captured")
+                         "interface (SupportsEagle3), so vLLM cannot capture its layers' residual streams; "
+                         "--backend hf can")

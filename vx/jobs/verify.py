@@ -35,10 +35,11 @@ class VerifyReport:
         worst: dict[int, dict] = {}
         for s in self.samples:
             w = worst.setdefault(s["layer"], {"layer": s["layer"], "min_cosine": 1.0, "max_abs_diff": 0.0,
-                                              "worst_sample": s["id"]})
+                                              "max_rel_diff": 0.0, "worst_sample": s["id"]})
             if s["cosine"] < w["min_cosine"]:
                 w.update(min_cosine=s["cosine"], worst_sample=s["id"])
             w["max_abs_diff"] = max(w["max_abs_diff"], s["max_abs_diff"])
+            w["max_rel_diff"] = max(w["max_rel_diff"], s["rel_diff"])  # what the bound holds
         return list(worst.values())
 
     @property
