@@ -13,6 +13,7 @@ the extraction's extract_s). Prompts: the first-turn ShareGPT prompts in ../shar
 Qwen3.6 vocabulary; greedy, --max-tokens per turn.
 
     python bench/one_pass.py [--prompts 128] [--max-tokens 128] [--reps 3]
+    python bench/one_pass.py --model /models/other --skip 700   # another model, other prompts
 
 Writes bench/results/one_pass-<device>-<date>-<time>.json (one file per run).
 """
@@ -74,13 +75,15 @@ def main(argv=None):
     ap.add_argument("--prompts", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--model", help="a local HF model directory (default: the bench model)")
+    ap.add_argument("--skip", type=int, default=0, help="start at this prompt (held-out prompts)")
     ap.add_argument("--modes", default="one-pass,two-pass",
                     help=f"contenders, of {', '.join([*CORES, 'two-pass'])}")
     args = ap.parse_args(argv)
     if not PROMPTS.exists():
         raise SystemExit(f"bench needs {PROMPTS} (shared/ beside the checkout)")
-    model = str(bench_model())
-    rows = [json.loads(x) for x in PROMPTS.read_bytes().split(b"\n") if x.strip()][:args.prompts]
+    model = args.model or str(bench_model())
+    rows = [json.loads(x) for x in PROMPTS.read_bytes().split(b"\n") if x.strip()][args.skip:args.skip + args.prompts]
     gen = ["--max-tokens", str(args.max_tokens), "--turns", "last"]
     runs: dict[str, list[dict]] = {m: [] for m in args.modes.split(",")}
     if "two-pass" not in runs or any(m not in CORES for m in runs if m != "two-pass"):
@@ -112,7 +115,7 @@ def main(argv=None):
     import torch
 
     result = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-              "cores": len(os.sched_getaffinity(0)), "model": model, "prompts": len(rows),
+              "cores": len(os.sched_getaffinity(0)), "model": model, "prompts": len(rows), "first_prompt": args.skip,
               "max_tokens": args.max_tokens, "reps": args.reps, "modes": table,
               "speedup_vs_two_pass": speedup, "speedup_vs_two_pass_per_rep": per_rep}
     print(json.dumps(result, indent=1))
