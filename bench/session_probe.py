@@ -19,7 +19,7 @@ from pathlib import Path
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 from vx.device import engine_env
 engine_env()
-import torch
+import torch  # noqa: F401  (torch before vLLM, as vx imports them)
 from vx.data.tiny import default_model_dir
 from vx.data.model import load_tokenizer, model_info
 from vx.data.layers import default_layer_ids

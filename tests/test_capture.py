@@ -108,7 +108,7 @@ def test_a_slot_released_early_is_reused_only_once_the_older_ones_are():
     """The writer releases slots as shards commit, the intake those it copied out at once: out of
     order. Space comes back from the oldest live slot on, so nothing live is ever handed out."""
     ring = PinnedRing(3 * 64, pin=False)
-    (a, ta), (b, tb), (c, tc) = ring.alloc(64), ring.alloc(64), ring.alloc(64)
+    (a, ta), (b, tb), (_c, tc) = ring.alloc(64), ring.alloc(64), ring.alloc(64)
     ring.release(tb)  # the middle one: still behind a
     asked = []
     got = []
