@@ -38,7 +38,7 @@ BOUND_S = 10.0  # a driver outlives its dead engine by less than this
 DIED = re.compile(r"^vx: error: the vLLM engine \(pid (\d+)\) died: killed by SIGKILL \(out of memory\?\); "
                   r"committed (samples|conversations) are kept, rerun the same command to continue$")
 # the core's shutdown: its refusal, its exit, or its worker's exit, whichever the driver meets first
-STOPPED = re.compile(r"^vx: error: the vLLM engine(('s worker process)? \(pid \d+\) died(: .+)?| is shutting down "
+STOPPED = re.compile(r"^vx: error: the vLLM engine(('s worker process)? \(pid \d+\) died( as it started)?(: .+)?| is shutting down "
                      r"\(something other than vx stopped it\)); committed samples are kept, rerun the same command "
                      r"to continue$")
 
@@ -304,6 +304,34 @@ def test_a_stop_that_a_finalizer_swallowed_still_stops_the_loop_at_its_next_turn
     assert r.stdout.splitlines() == ["went on"], r.stdout + r.stderr[-2000:]
     assert r.returncode == 130 and r.stderr.strip().splitlines() == [
         "vx: interrupted; rerun the same command to continue"], r.stderr[-2000:]  # one line, no traceback
+
+
+def test_sigint_to_the_engine_core_alone_as_it_finishes_starting_ends_the_driver_with_one_line(tmp_path, tiny_model):
+    """The fault campaign's seed 66, trial 136: SIGINT to the engine core alone (an admin, a
+    container runtime) once it had done its start. The core shuts down and exits 0; vLLM's client,
+    past its handshake, then waits on its next call (`reset_mm_cache`, still inside `LLM()`) for
+    ever, and the driver took a core that exits during the start for a start that fails, whose
+    error vLLM raises itself. Now the driver leaves with exit 3 and one line."""
+    out = tmp_path / "out"
+    p = start(out, tmp_path / "cache")
+    log = out / "logs" / "vllm.log"
+    deadline = time.monotonic() + 900  # engines start on a loaded machine: wait for the event
+    while p.poll() is None and time.monotonic() < deadline and not (
+            log.exists() and "init engine (profile, create kv cache, warmup model) took" in log.read_text()):
+        time.sleep(0.02)
+    cores = engine_cores(p.pid)
+    assert p.poll() is None and cores, p.communicate()[1][-3000:]
+    os.kill(cores[0], signal.SIGINT)
+    sent = time.monotonic()
+    try:
+        _, stderr = p.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        raise AssertionError("no exit within 60 s of SIGINT to the engine core")
+    assert p.returncode == 3, stderr[-3000:]
+    assert_one_line(stderr, STOPPED)
+    print(f"driver gone {time.monotonic() - sent:.1f} s after SIGINT to its engine core: {stderr.splitlines()[-1]}")
+    wait_gone(p.pid)
 
 
 @pytest.mark.parametrize("to", ["driver", "group"])

@@ -46,6 +46,7 @@ TICK_S = 0.1
 SCAN_S = 2.0            # how often the cores' worker processes are looked up
 GRACE_S = 6.0           # after a death, the driver's own exit path gets this long
 STOP_START_S = 3.0      # a stop while the engine starts: the start's own path gets this long, then the driver leaves
+START_FAILED_S = 10.0   # a core that exited during the start: vLLM's own error gets this long to come up
 WORKER_TITLE = b"VLLM::Worker"
 KEPT = "committed samples are kept, rerun the same command to continue"  # the line's tail
 # vLLM's engine core refuses every call once a signal began its shutdown (SIGTERM or SIGINT to the
@@ -99,7 +100,8 @@ class EngineWatch:
         self._call: tuple[str, float | None] | None = None  # (what, deadline) of the current call
         self._late: str | None = None          # a call past its deadline
         self._stopped_at: float | None = None  # when a stop was first seen during the engine's start
-        self._ended: set[int] = set()  # cores that ended their start on a stop
+        self._ended: set[int] = set()  # cores that ended during the start
+        self._start_failed: tuple[float, str] | None = None  # when and how, without a stop
         self._stop = threading.Event()  # close(): the driver stops the engine itself now
         self._main = threading.main_thread().ident if threading.current_thread() is threading.main_thread() else None
         self._old_handler = signal.signal(WAKE, self._on_wake) if self._main else None
@@ -219,20 +221,27 @@ class EngineWatch:
                 pid, p = sentinels[ready[0]]
                 code = self._exitcode(p)
                 if not self._attached and code is not None and code >= 0:
-                    if not stop_requested():
-                        return  # a start that failed: vLLM raises it with its cause (in the engine's log)
                     # the core ended its start on the stop (Ctrl-C to the group reaches it too), and the
                     # stop broke vLLM's own wait for it: vLLM then waits on a socket nothing will answer
                     # (campaign seed 65, trial 25: no exit in 60 s). The driver leaves (_leave_start).
+                    # Without a stop, a start that failed: vLLM raises it with its cause (in the engine's
+                    # log), unless its handshake was done: its next call (LLMEngine.__init__'s
+                    # reset_mm_cache) then waits on the gone core for ever (SIGINT to the core alone as it
+                    # started: campaign seed 66, trial 136). Past START_FAILED_S, the watch says so.
                     self._cores.pop(pid, None)
                     self._ended.add(pid)
+                    if not stop_requested() and self._start_failed is None:
+                        self._start_failed = (now, f"{self.label} (pid {pid}) died as it started: {how_it_ended(code)}")
                     continue
                 return self._lost(f"{self.label} (pid {pid}) died: {how_it_ended(code)}")
-            if dead_worker is not None:
+            if dead_worker is not None and self._start_failed is None:  # (its core's end said first)
                 return self._lost(f"{self.label}'s worker process (pid {dead_worker}) died")
             call = self._call
             if call and call[0] == "start" and self._depth and stop_requested():
                 self._leave_start(now)
+            elif call and call[0] == "start" and self._depth and self._start_failed and \
+                    now - self._start_failed[0] > START_FAILED_S:
+                return self._lost(self._start_failed[1])
             if call and call[1] is not None and now > call[1] and self._depth:
                 self._late = f"{self.label} did not answer {call[0]} in time"
                 self._wake()
