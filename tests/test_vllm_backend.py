@@ -127,20 +127,24 @@ def test_vision_language_checkpoint_runs_text_only_and_matches(tiny_vl_model, ti
     assert_matches(ds, samples, hf_reference(tiny_model, samples, [0, 3, 7]))
 
 
+def extract_on_its_own_engine_matches_hf(model, layer_ids, samples, out, hidden) -> None:
+    """An eager engine of another model started for one extraction, held to the HF reference."""
+    eng = VllmExtractor(model, layer_ids, max_num_batched_tokens=MAX_BATCHED, max_num_seqs=MAX_SEQS,
+                        gpu_memory_utilization=0.1)
+    try:
+        ds = extract(eng, samples, out, hidden)
+    finally:
+        eng.close()
+    assert_matches(ds, samples, hf_reference(model, samples, layer_ids))
+
+
 def test_qwen3_next_hybrid_gdn_moe_matches_hf(cache_dir, tmp_path):
     from vx.data.tiny import build_tiny_next
 
     model = build_tiny_next(cache_dir / "tiny-next")
-    eng = VllmExtractor(model, [0, 2, 3], max_num_batched_tokens=MAX_BATCHED, max_num_seqs=MAX_SEQS,
-                        gpu_memory_utilization=0.1)
-    try:
-        samples = mixed_samples(500, n=16, seed=7)
-        ds = extract(eng, samples, tmp_path, 256)
-    finally:
-        eng.close()
     # The tiny model routes every token to all its experts (vx/data/tiny.py says why), so the MoE
     # layers are held to the dense bound: observed 0.99994 / 0.012.
-    assert_matches(ds, samples, hf_reference(model, samples, [0, 2, 3]))
+    extract_on_its_own_engine_matches_hf(model, [0, 2, 3], mixed_samples(500, n=16, seed=7), tmp_path, 256)
 
 
 def test_a_dense_llama_whose_capture_layer_shares_the_attention_kv_group_matches_hf(cache_dir, tmp_path):
@@ -149,11 +153,4 @@ def test_a_dense_llama_whose_capture_layer_shares_the_attention_kv_group_matches
     from vx.data.tiny import build_tiny_llama
 
     model = build_tiny_llama(cache_dir / "tiny-llama")
-    eng = VllmExtractor(model, [0, 3, 5], max_num_batched_tokens=MAX_BATCHED, max_num_seqs=MAX_SEQS,
-                        gpu_memory_utilization=0.1)
-    try:
-        samples = mixed_samples(500, n=16, seed=9)
-        ds = extract(eng, samples, tmp_path, 192)
-    finally:
-        eng.close()
-    assert_matches(ds, samples, hf_reference(model, samples, [0, 3, 5]))
+    extract_on_its_own_engine_matches_hf(model, [0, 3, 5], mixed_samples(500, n=16, seed=9), tmp_path, 192)
