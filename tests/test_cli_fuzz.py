@@ -54,6 +54,12 @@ def test_what_the_parser_catches_is_usage_and_exit_2(argv, capsys):
     (["inspect", "s3://bucket/run"], "with --watch or --plot"),
     (["inspect", "/nonexistent/out"], "/nonexistent/out is not a directory"),
     (["extract", "examples/chat.jsonl", "--regenerate", "--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
+    (["extract", "examples/chat.jsonl", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in"),
+    (["regenerate", "examples/chat.jsonl", "--gpu-memory-utilization", "0"], "--gpu-memory-utilization must be in"),
+    (["regenerate", "examples/chat.jsonl", "--max-num-seqs", "0"], "--max-num-seqs must be >= 1, got 0"),
+    (["regenerate", "examples/chat.jsonl", "--max-model-len", "-4"], "--max-model-len must be >= 1, got -4"),
+    (["regenerate", "examples/chat.jsonl", "--tensor-parallel-size", "0"], "--tensor-parallel-size must be >= 1"),
+    (["regenerate", "examples/chat.jsonl", "--temperature", "-1"], "--temperature must be >= 0"),
 ])
 def test_a_bad_value_is_one_line_naming_it_and_exit_2(argv, says, capsys):
     code, out = run(argv, capsys)

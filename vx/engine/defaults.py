@@ -42,6 +42,17 @@ def cpu_kv_cache_bytes(max_model_len: int | None) -> int | None:
     return want if want <= 0.3 * host else None
 
 
+def memory_kwargs(on_cpu: bool, gpu_memory_utilization: float | None, max_model_len: int | None) -> dict:
+    """The engine's memory arguments, for both of vx's engines: --gpu-memory-utilization wins; else
+    0.9 of a GPU, or on CPU a KV cache sized to the job (0.3 of host memory where vLLM sizes it)."""
+    if gpu_memory_utilization is not None:
+        return {"gpu_memory_utilization": gpu_memory_utilization}
+    if not on_cpu:
+        return {"gpu_memory_utilization": 0.9}
+    kv_bytes = cpu_kv_cache_bytes(max_model_len)
+    return {"gpu_memory_utilization": 0.3, **({"kv_cache_memory_bytes": kv_bytes} if kv_bytes else {})}
+
+
 def default_budget(max_num_batched_tokens: int | None, max_num_seqs: int | None) -> tuple[int, int]:
     return max_num_batched_tokens or MAX_NUM_BATCHED_TOKENS, max_num_seqs or MAX_NUM_SEQS
 

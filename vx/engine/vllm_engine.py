@@ -48,16 +48,13 @@ def engine_kwargs(model_dir: Path, layer_ids: list[int], *, on_cpu: bool, vision
     """The engine vx builds: vLLM's extract_hidden_states method + vx's connector + extension.
     `overrides` are further engine arguments (bench: load_format="dummy" for random weights)."""
     from vx.engine.connector import CONNECTOR, MODULE
-    from vx.engine.defaults import CPU_MAX_NUM_BATCHED_TOKENS, cpu_kv_cache_bytes, default_budget
+    from vx.engine.defaults import CPU_MAX_NUM_BATCHED_TOKENS, default_budget, memory_kwargs
 
-    kv_bytes = cpu_kv_cache_bytes(max_model_len) if on_cpu and gpu_memory_utilization is None else None
-    if gpu_memory_utilization is None:  # on CPU it is the fraction of host memory for vLLM
-        gpu_memory_utilization = 0.3 if on_cpu else 0.9
     if enforce_eager is None:
         enforce_eager = EAGER_ON_CPU if on_cpu else False
     kwargs = dict(
         model=str(model_dir), tokenizer=str(model_dir), dtype="bfloat16" if on_cpu and dtype == "auto" else dtype,
-        enable_prefix_caching=False, gpu_memory_utilization=gpu_memory_utilization,
+        enable_prefix_caching=False, **memory_kwargs(on_cpu, gpu_memory_utilization, max_model_len),
         tensor_parallel_size=tensor_parallel_size, worker_extension_cls=EXTENSION, seed=seed,
         enforce_eager=enforce_eager, enable_chunked_prefill=True,
         # vx sends token ids and reads no text: no tokenizer in the engine (~1.5 s of a core to
@@ -77,8 +74,6 @@ def engine_kwargs(model_dir: Path, layer_ids: list[int], *, on_cpu: bool, vision
         max_num_batched_tokens = CPU_MAX_NUM_BATCHED_TOKENS
     if max_model_len:
         kwargs["max_model_len"] = max_model_len
-    if kv_bytes:  # sized to the job, not zero-filled from 30% of host memory (vx/engine/defaults.py)
-        kwargs["kv_cache_memory_bytes"] = kv_bytes
     if max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = max_num_batched_tokens
     if max_num_seqs:

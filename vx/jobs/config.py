@@ -7,7 +7,7 @@ from pathlib import Path
 
 from vx.data.chat import check_template_options
 from vx.errors import UsageError
-from vx.launch.options import check_scale_out
+from vx.launch.options import check_engine_options, check_scale_out
 from vx.monitor.metrics import check_options
 
 BACKENDS = ("auto", "hf", "vllm")
@@ -119,10 +119,10 @@ class ExtractConfig:
             raise UsageError(f"--store-dtype must be one of {', '.join(STORE_DTYPES)}, got {self.store_dtype!r}")
         if self.overlong not in OVERLONG:
             raise UsageError(f"--overlong must be one of {', '.join(OVERLONG)}, got {self.overlong!r}")
-        for name in ("batch_size", "max_batch_tokens", "sort_window", "tensor_parallel_size"):
+        for name in ("batch_size", "max_batch_tokens", "sort_window"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_length", "max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+        for name in ("max_length", "max_num_batched_tokens"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
@@ -130,8 +130,7 @@ class ExtractConfig:
             raise UsageError(f"--verify must be >= 0 samples, got {self.verify}")
         if self.shard_size_mb <= 0:
             raise UsageError(f"--shard-size must be > 0 MB, got {self.shard_size_mb}")
-        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
-            raise UsageError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        check_engine_options(self)
         check_options(self)
         if self.regenerate:
             from vx.data.generation import check_generation

@@ -1,8 +1,21 @@
-"""The scale-out options that `vx extract` and `vx regenerate` share, checked in one place."""
+"""The engine and scale-out options that `vx extract` and `vx regenerate` share, checked in one place."""
 
 from __future__ import annotations
 
 from vx.errors import UsageError
+
+
+def check_engine_options(cfg) -> None:
+    """--tensor-parallel-size/--max-num-seqs/--max-model-len/--gpu-memory-utilization of a config
+    (extract and regenerate): in range before any engine starts, or one line saying which."""
+    if cfg.tensor_parallel_size < 1:
+        raise UsageError(f"--tensor-parallel-size must be >= 1, got {cfg.tensor_parallel_size}")
+    for name in ("max_num_seqs", "max_model_len"):
+        v = getattr(cfg, name)
+        if v is not None and v < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    if cfg.gpu_memory_utilization is not None and not 0 < cfg.gpu_memory_utilization <= 1:
+        raise UsageError(f"--gpu-memory-utilization must be in (0, 1], got {cfg.gpu_memory_utilization}")
 
 
 def check_scale_out(cfg) -> None:

@@ -195,18 +195,9 @@ class RegeneratedText:
 @contextlib.contextmanager
 def _locked(path: Path):
     """path's writer lock (OUTPUT.lock, vx/regenerate/output.py), waited for."""
-    from vx.regenerate.output import MERGE_WAIT_S, sidecar
-    from vx.store.lock import try_lock
+    from vx.regenerate.output import take_lock
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    deadline = time.monotonic() + MERGE_WAIT_S
-    while True:
-        lock, holder = try_lock(sidecar(path, ".lock"))
-        if lock is not None:
-            break
-        if time.monotonic() > deadline:
-            raise UsageError(f"{path} is being written by another vx process ({holder})")
-        time.sleep(0.2)
+    lock = take_lock(path, "vx process")
     try:
         yield
     finally:

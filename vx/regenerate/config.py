@@ -61,10 +61,10 @@ class RegenConfig:
         check_generation(self)
         if self.commit_every < 1:
             raise UsageError(f"--commit-every must be >= 1, got {self.commit_every}")
-        if self.tensor_parallel_size < 1:
-            raise UsageError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         from vx.data.chat import check_template_options
-        from vx.launch.options import check_scale_out
+        from vx.launch.options import check_engine_options, check_scale_out
+
+        check_engine_options(self)
         from vx.monitor.metrics import check_options
 
         check_options(self)

@@ -85,7 +85,7 @@ def start_engine(cfg, model_dir: Path, log: Path):
     critical path for the 248k-entry Qwen3.6 one); its log in `log`."""
     from vx.device import engine_env
     from vx.data.model import model_info
-    from vx.engine.defaults import cpu_kv_cache_bytes
+    from vx.engine.defaults import memory_kwargs
     from vx.engine.logs import engine_output, without_tokenizer
     from vx.engine.vllm_engine import EXTENSION
 
@@ -98,13 +98,9 @@ def start_engine(cfg, model_dir: Path, log: Path):
                   enable_prefix_caching=True, seed=cfg.seed or 0,
                   tensor_parallel_size=cfg.tensor_parallel_size, worker_extension_cls=EXTENSION)
         if on_cpu:
-            kw.update(dtype="bfloat16", enforce_eager=True, gpu_memory_utilization=cfg.gpu_memory_utilization or 0.3)
-            if not cfg.gpu_memory_utilization:  # sized to the job (vx/engine/defaults.py)
-                kv_bytes = cpu_kv_cache_bytes(cfg.max_model_len or model_info(model_dir).max_position_embeddings)
-                if kv_bytes:
-                    kw["kv_cache_memory_bytes"] = kv_bytes
-        elif cfg.gpu_memory_utilization:
-            kw["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+            kw.update(dtype="bfloat16", enforce_eager=True)
+        kw.update(memory_kwargs(on_cpu, cfg.gpu_memory_utilization,  # on CPU, sized to the job
+                                cfg.max_model_len or (on_cpu and model_info(model_dir).max_position_embeddings)))
         for k in ("max_num_seqs", "max_model_len"):
             if getattr(cfg, k):
                 kw[k] = getattr(cfg, k)

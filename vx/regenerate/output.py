@@ -55,20 +55,28 @@ def merging(output: Path) -> bool:
     return holder is not None
 
 
+def take_lock(path: Path, who: str, wait=lambda: True):
+    """path's writer lock (path.lock), its holder waited for while wait() (up to MERGE_WAIT_S);
+    else one line naming the holder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + MERGE_WAIT_S
+    lock, holder = try_lock(sidecar(path, ".lock"))
+    while holder and wait() and time.monotonic() < deadline:
+        time.sleep(0.2)
+        lock, holder = try_lock(sidecar(path, ".lock"))
+    if holder:
+        raise UsageError(f"{path} is being written by another {who} ({holder})")
+    return lock
+
+
 class RegenOutput:
     """One output file (OUTPUT or a partition's part) and its errors file; the ids already
     written there (and, for a part, in the merged OUTPUT)."""
 
     def __init__(self, path: Path, merged: Path | None = None):
         self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock, holder = try_lock(sidecar(path, ".lock"))
-        deadline = time.monotonic() + MERGE_WAIT_S
-        while holder and merged is not None and merging(merged) and time.monotonic() < deadline:
-            time.sleep(0.2)  # a merge holds the parts' locks for a moment: the part is free after it
-            self._lock, holder = try_lock(sidecar(path, ".lock"))
-        if holder:
-            raise UsageError(f"{path} is being written by another vx regenerate ({holder})")
+        # a merge holds the parts' locks for a moment: the part is free after it
+        self._lock = take_lock(path, "vx regenerate", wait=lambda: merged is not None and merging(merged))
         self.done = self._recover() | (committed_ids(merged) if merged is not None else set())
         self._f = open(path, "ab")
         self.errors = open(sidecar(path, ".errors.jsonl"), "w")
