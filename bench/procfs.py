@@ -67,3 +67,17 @@ def catches(pid: int, sig: int) -> bool:
         if line.startswith("SigCgt:"):
             return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
     return False
+
+
+def stderr_within(p, what: str, within_s: float = 60.0) -> str:
+    """A signalled driver's stderr once it exited, within_s after what happened to it (a
+    subprocess.Popen started in a session of its own); else its group is killed and the check
+    fails saying what it did not end after."""
+    import signal
+    import subprocess
+
+    try:
+        return p.communicate(timeout=within_s)[1]
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        raise AssertionError(f"no exit within {within_s:.0f} s of {what}")

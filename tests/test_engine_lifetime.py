@@ -92,16 +92,6 @@ def follow(p: subprocess.Popen, until=lambda: False, act=None) -> tuple[float, f
     return exited, last_alive, stderr
 
 
-def stderr_within(p: subprocess.Popen, what: str, within_s: float = 60.0) -> str:
-    """The driver's stderr once it exited, within_s after what happened to it (else its group is
-    killed and the test fails saying what it did not end after)."""
-    try:
-        return p.communicate(timeout=within_s)[1]
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        raise AssertionError(f"no exit within {within_s:.0f} s of {what}")
-
-
 def assert_one_line(stderr: str, pattern=DIED) -> None:
     assert "Traceback" not in stderr, stderr[-3000:]
     assert pattern.match(stderr.strip().splitlines()[-1]), stderr[-3000:]
@@ -285,7 +275,7 @@ def test_a_signal_as_the_command_starts_is_the_documented_exit_and_one_line(tmp_
             assert p.poll() is None, p.stderr.read()
             time.sleep(0.001)
         os.killpg(p.pid, sig)
-        _, stderr = p.communicate(timeout=60)
+        stderr = procfs.stderr_within(p, f"signal {sig} to its group")
         assert p.returncode == code, (sig, p.returncode, stderr[-2000:])
         assert stderr.strip().splitlines() == ["vx: interrupted; rerun the same command to continue"], stderr[-2000:]
         assert not out.exists()
@@ -333,7 +323,7 @@ def test_sigint_to_the_engine_core_alone_as_it_finishes_starting_ends_the_driver
     assert p.poll() is None and cores, p.communicate()[1][-3000:]
     os.kill(cores[0], signal.SIGINT)
     sent = time.monotonic()
-    stderr = stderr_within(p, "SIGINT to the engine core")
+    stderr = procfs.stderr_within(p, "SIGINT to the engine core")
     assert p.returncode == 3, stderr[-3000:]
     assert_one_line(stderr, STOPPED)
     print(f"driver gone {time.monotonic() - sent:.1f} s after SIGINT to its engine core: {stderr.splitlines()[-1]}")
@@ -362,7 +352,7 @@ def test_ctrl_c_while_the_engine_starts_ends_the_run_in_seconds_not_when_the_sta
     assert p.poll() is None, p.communicate()[1][-3000:]
     time.sleep(1.0)  # into the start: the core is importing vLLM, the driver waits in vLLM's handshake
     (os.killpg if to == "group" else os.kill)(p.pid, signal.SIGINT)
-    stderr = stderr_within(p, "Ctrl-C during the engine's start")
+    stderr = procfs.stderr_within(p, "Ctrl-C during the engine's start")
     assert p.returncode == 130 and stderr.strip().splitlines()[-1] == \
         "vx: interrupted; rerun the same command to continue", stderr[-3000:]
     log = (out / "logs" / "vllm.log").read_text(errors="replace")
