@@ -124,7 +124,8 @@ def test_sigterm_as_the_engine_starts_then_a_kill_9_mid_run_then_a_rerun_leave_e
 def test_the_regeneration_engine_killed_once_every_conversation_is_committed_costs_the_run_nothing(tmp_path):
     """On CPU the regeneration's engine idles until the capture is done, then stops beside vx's
     engine (vx/pipeline/one_pass.py). Killed in that wait, every conversation committed, its death
-    loses nothing: the run ends 0 with every conversation's text and states."""
+    loses nothing: the run ends 0 with every conversation's text and states. A rerun of the
+    finished output has nothing to do and starts no engine at all."""
     records = [line for line in (ROOT / "examples/chat.jsonl").read_text().splitlines()
                if line and ("messages" in json.loads(line) or "conversations" in json.loads(line))][:8]
     data = tmp_path / "chat.jsonl"
@@ -150,6 +151,23 @@ def test_the_regeneration_engine_killed_once_every_conversation_is_committed_cos
     assert sorted(json.loads(line)["id"] for line in regen.read_text().splitlines() if line.strip()) == want
     assert sorted(vx.open_dataset(out).ids) == want
     assert json.loads(stdout)["regenerated"]["conversations"] == len(records)
+
+    again = subprocess.Popen(one_pass(out, data=str(data)), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, start_new_session=True)
+    engines = set()
+    while again.poll() is None:
+        tree, i = [again.pid], 0
+        while i < len(tree):  # every descendant (an engine core's environ is its title's: found by parent)
+            tree += procfs.children(tree[i])
+            i += 1
+        engines |= {pid for pid in tree if procfs.cmdline(pid).startswith(b"VLLM::")}
+        time.sleep(0.02)
+    stdout, stderr = again.communicate(timeout=900)
+    assert again.returncode == 0, stderr[-3000:]
+    assert not engines, "a rerun with nothing to do started a vLLM engine"
+    summary = json.loads(stdout)
+    assert summary["regenerated"]["skipped"] == len(records) and summary["regenerated"]["conversations"] == 0
+    assert sorted(vx.open_dataset(out).ids) == want
 
 
 def test_two_engine_slots_killed_mid_run_then_rerun_give_one_regenerated_file_and_every_conversation_once(

@@ -36,10 +36,12 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from vx.device import cuda_available
 from vx.engine.fast_exit import in_spawned_child
 from vx.errors import UsageError, VxError, raise_if_stopped
 from vx.pipeline.regenerated_text import merge_when_complete, text_in_s3
 from vx.pipeline.regeneration import LATER, Regeneration
+from vx.regenerate.output import looks_finished, merge_leftover_parts
 from vx.store.format import GENERATION, REGENERATED
 
 in_spawned_child()  # the regeneration's engine core and worker import this module first: their quick exit
@@ -147,8 +149,6 @@ def cpu_layout() -> tuple[tuple[list[int], list[int]] | None, bool]:
     capture waits for the regeneration's end). GPU: shared device, following. CPU: every core to
     both, capture after. VX_ONE_PASS_CORES=split (bench/one_pass.py): the cores halved and the
     capture following, the layout measured against it."""
-    from vx.device import cuda_available
-
     if cuda_available():
         return None, False
     if os.environ.get("VX_ONE_PASS_CORES") != "split":
@@ -204,8 +204,6 @@ def run_one_pass(cfg, progress: bool | None = None, reporter=None):
     if alone:
         check_rerun(cfg, out)
     if not cfg.partitioned:  # an earlier --dp run's unmerged parts: this run's regeneration counts them done
-        from vx.regenerate.output import merge_leftover_parts
-
         merge_leftover_parts(out / REGENERATED)
     if text is not None and not cfg.overwrite:  # before the regeneration reads what its output holds
         if cfg.partitioned:  # into the root's file, which the partition's regeneration counts as done;
@@ -213,8 +211,10 @@ def run_one_pass(cfg, progress: bool | None = None, reporter=None):
         else:  # (leftover parts merged into it above)
             text.restore(followed)
     split, after_end = cpu_layout()
-    from vx.device import cuda_available
-
+    # following (GPU), or on CPU a finished regeneration's rerun (its child ends, no engine started; the
+    # capture then starts one only for work left): the capture waits for the child's engine or its end
+    wait = not after_end or (cfg.backend != "hf" and not cfg.partitioned
+                             and looks_finished(followed, cfg.data, cfg.endpoint_url))
     gen_env = pin_env(split[0]) if split else {} if cuda_available() else reversed_binding(cfg.tensor_parallel_size)
 
     if cuda_available() and cfg.gpu_memory_utilization is None:
@@ -233,8 +233,8 @@ def run_one_pass(cfg, progress: bool | None = None, reporter=None):
             os.environ.update(pin_env(split[1]))
         followed.parent.mkdir(parents=True, exist_ok=True)
         followed.touch()  # the capture's config checks its input exists
-        if not after_end:  # following (GPU): one engine starting at a time (vLLM sizes its KV cache from
-            regen.wait_ready()  # the device's free memory, which an engine starting beside it changes)
+        if wait:  # GPU: one engine starting at a time (vLLM sizes its KV cache from the device's
+            regen.wait_ready()  # free memory, which an engine starting beside it changes)
         source = FollowingInput(followed, regen.finished, pending=cfg.backend != "hf", after_end=after_end)
         # a capture after the end skips the warm-up: its dummy prefills would run beside the generation
         # on the same cores (CPU runs eager by default: nothing to compile before the first batch)

@@ -43,6 +43,20 @@ def committed_ids(path: Path) -> set[str]:
         return {str(json.loads(line)["id"]) for line in f if line.endswith(b"\n") and line.strip()}
 
 
+def looks_finished(path: Path, data: str, endpoint_url: str | None = None) -> bool:
+    """Whether an earlier run wrote or reported every record of data to OUTPUT at path (its lines and
+    its errors file's): read before any engine, so that a rerun with nothing to generate can skip
+    one. A guess on the safe side: a record dropped (--drop-truncated) or changed since counts as work."""
+    if not path.exists() or not path.stat().st_size:
+        return False  # a first run: nothing read
+    from vx.data.inputs import Input
+
+    errors = sidecar(path, ".errors.jsonl")
+    written = len(committed_ids(path)) + (sum(1 for _ in open(errors, "rb")) if errors.exists() else 0)
+    rows = sum(1 for row in Input(data, endpoint_url).rows() if row.record is not None or row.bad is not None)
+    return written >= rows
+
+
 MERGE_WAIT_S = 300.0  # a part's writer waits this long for a merge that holds its lock (a rerun's
 # partition starting as another one, with nothing left to do, merges the parts a crash left behind)
 
