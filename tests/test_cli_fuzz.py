@@ -65,3 +65,12 @@ def test_a_bad_value_is_one_line_naming_it_and_exit_2(argv, says, capsys):
     code, out = run(argv, capsys)
     lines = out.err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith("vx: error: ") and says in lines[0], (argv, out.err)
+
+
+def test_the_command_list_gives_each_command_a_line_of_its_own(capsys, monkeypatch):
+    """`vx --help` on a wide terminal: one summary line per command, not its whole description."""
+    monkeypatch.setenv("COLUMNS", "200")
+    code, out = run(["--help"], capsys)
+    panel = out.out.split("Commands")[1].splitlines()[1:-1]
+    rows = [line.strip("│ ").split()[0] for line in panel if line.strip("│ ╰─╯")]
+    assert code == 0 and rows == sorted(COMMANDS), out.out

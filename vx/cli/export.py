@@ -11,7 +11,7 @@ import typer
 from vx.cli.app import app
 
 
-@app.command(no_args_is_help=True)
+@app.command(no_args_is_help=True, short_help="Index an output for speculators' trainer (no state is copied).")
 def export(
     output: Annotated[str, typer.Argument(help="An extraction output: a directory or s3://bucket/prefix.")],
     to: Annotated[str, typer.Option("--to", help="The trainer: speculators.")] = "speculators",
