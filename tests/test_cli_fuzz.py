@@ -74,3 +74,25 @@ def test_the_command_list_gives_each_command_a_line_of_its_own(capsys, monkeypat
     panel = out.out.split("Commands")[1].splitlines()[1:-1]
     rows = [line.strip("│ ").split()[0] for line in panel if line.strip("│ ╰─╯")]
     assert code == 0 and rows == sorted(COMMANDS), out.out
+
+
+def test_help_states_the_layer_id_rule_whole(capsys, monkeypatch):
+    """id k is HF hidden_states[k+1]: the one fact an off-by-one drafter hangs on, printed as written."""
+    monkeypatch.setenv("COLUMNS", "300")
+    code, out = run(["extract", "--help"], capsys)
+    assert code == 0 and "= HF hidden_states[k+1], pre-final-norm" in out.out, out.out
+
+
+def test_no_help_text_loses_characters_to_rich_markup():
+    """typer renders help as Rich markup: a "[word]" in a help text is taken for a style and
+    dropped from the screen unless escaped ("\\[")."""
+    import typer
+    from rich.text import Text
+
+    from vx.cli import app
+
+    for name, cmd in typer.main.get_command(app).commands.items():
+        for what, text in [("description", cmd.help), ("summary", cmd.short_help)] + [
+                (p.name, getattr(p, "help", None)) for p in cmd.params]:
+            text = text or ""
+            assert Text.from_markup(text).plain == text.replace("\\[", "["), (name, what, text)

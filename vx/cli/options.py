@@ -8,7 +8,8 @@ OutputDir = Annotated[str, typer.Option("--output", "-o", help="Output directory
 ModelPath = Annotated[Optional[str], typer.Option(
     "--model", "-m", help="Local HF model directory. Default: the embedded tiny hybrid-GDN model.")]
 Layers = Annotated[Optional[str], typer.Option(
-    help="Comma-separated layer ids; id k = output of decoder layer k (0-based) = HF hidden_states[k+1], "
+    # "\\[": typer renders help as Rich markup, which took "[k+1]" for a style and dropped it
+    help="Comma-separated layer ids; id k = output of decoder layer k (0-based) = HF hidden_states\\[k+1], "
          "pre-final-norm; or a preset: dflash (the default: 5 ids evenly spaced 1..N-3, 64 layers: 1,16,31,46,61), "
          "speculators-dflash (those and N-1, the verifier's last state speculators trains against), "
          "speculators (speculators' default targets and N-1).")]
