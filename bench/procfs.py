@@ -48,6 +48,15 @@ def children(pid: int) -> list[int]:
     return [p for p in pids() if parent(p) == pid]
 
 
+def descendants(pid: int) -> list[int]:
+    """pid and every process under it, found by parent (an engine core's environ is its title's)."""
+    tree, i = [pid], 0
+    while i < len(tree):
+        tree += children(tree[i])
+        i += 1
+    return tree
+
+
 def processes_of(driver_pid: int) -> list[int]:
     """Live processes a driver started: they carry VX_DRIVER=<pid>:... in their environment."""
     mark = f"VX_DRIVER={driver_pid}:".encode()

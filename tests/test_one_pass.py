@@ -156,11 +156,7 @@ def test_the_regeneration_engine_killed_once_every_conversation_is_committed_cos
                              text=True, start_new_session=True)
     engines = set()
     while again.poll() is None:
-        tree, i = [again.pid], 0
-        while i < len(tree):  # every descendant (an engine core's environ is its title's: found by parent)
-            tree += procfs.children(tree[i])
-            i += 1
-        engines |= {pid for pid in tree if procfs.cmdline(pid).startswith(b"VLLM::")}
+        engines |= {pid for pid in procfs.descendants(again.pid) if procfs.cmdline(pid).startswith(b"VLLM::")}
         time.sleep(0.02)
     stdout, stderr = again.communicate(timeout=900)
     assert again.returncode == 0, stderr[-3000:]

@@ -12,7 +12,8 @@ import typer
 from vx.cli.app import app
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True}, short_help="Throughput of vx against HF, bare vLLM and vLLM's built-in extraction (a source checkout).")
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+             short_help="Throughput of vx against HF, bare vLLM and vLLM's built-in extraction (a source checkout).")
 def bench(
     ctx: typer.Context,
     samples: Annotated[int, typer.Option(help="Real chat samples per mode.")] = 120,

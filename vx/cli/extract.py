@@ -12,7 +12,9 @@ from vx.cli.options import Layers, MetricsPort, ModelPath, OutputDir, Progress, 
 from vx.cli.options import RegenerateGeneration as RG
 
 
-@app.command(no_args_is_help=True, short_help='Hidden states of chosen layers for every token of every sample (--regenerate: the target writes the assistant turns in the same run).')
+@app.command(no_args_is_help=True,
+             short_help="Hidden states of chosen layers for every token of every sample (--regenerate: the "
+                        "target writes the assistant turns in the same run).")
 def extract(
     data: Annotated[str, typer.Argument(help="Dataset: a .jsonl(.gz/.zst), .parquet or .arrow file, a datasets save_to_disk directory, a directory or glob of such files, or s3://bucket/key-or-prefix. Records: messages / conversations / text / input_ids.", show_default=False)],
     output: OutputDir = "out",

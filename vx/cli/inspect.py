@@ -11,7 +11,8 @@ import typer
 from vx.cli.app import app
 
 
-@app.command(no_args_is_help=True, short_help='Summarise an output, watch a running extraction, or plot its history.')
+@app.command(no_args_is_help=True,
+             short_help="Summarise an output, watch a running extraction, or plot its history.")
 def inspect(
     output: Annotated[str, typer.Argument(help="An extraction output: a directory, or s3://bucket/prefix with --watch or --plot.")],
     sample: Annotated[Optional[str], typer.Option(help="Show one sample (by id) with shapes and a few values.")] = None,

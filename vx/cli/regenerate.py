@@ -12,7 +12,7 @@ from vx.cli.options import Generation as G
 from vx.cli.options import MetricsPort, ModelPath, Progress, ProgressEvery, parse_gpus
 
 
-@app.command(no_args_is_help=True, short_help='Regenerate the assistant turns with the target model, resumably.')
+@app.command(no_args_is_help=True, short_help="Regenerate the assistant turns with the target model, resumably.")
 def regenerate(
     data: Annotated[str, typer.Argument(help="Conversations, in any input format `vx extract` reads.", show_default=False)],
     output: Annotated[str, typer.Option("--output", "-o", help="Output JSONL (appended; rerun to resume).")] = "regen.jsonl",

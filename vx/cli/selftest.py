@@ -11,7 +11,7 @@ from vx.cli.app import app
 from vx.cli.options import ModelPath, parse_gpus
 
 
-@app.command(short_help='Check this install end to end on a small random twin of your target, every sample against HF.')
+@app.command(short_help="Check this install end to end on a small random twin of your target, every sample against HF.")
 def selftest(
     model: ModelPath = None,
     gpus: Annotated[Optional[str], typer.Option(help="GPU ids to run on (of those this process sees), e.g. 0 or 0,1 with --tensor-parallel-size 2. Default: the first --tensor-parallel-size visible GPUs.")] = None,

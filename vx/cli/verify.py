@@ -10,7 +10,8 @@ import typer
 from vx.cli.app import app
 
 
-@app.command(no_args_is_help=True, short_help='Check every shard against the manifest and recompute samples with HF; exit 1 on mismatch.')
+@app.command(no_args_is_help=True,
+             short_help="Check every shard against the manifest and recompute samples with HF; exit 1 on mismatch.")
 def verify(
     output: Annotated[str, typer.Argument(help="An extraction output directory, or s3://bucket/prefix.")],
     model: Annotated[Optional[str], typer.Option(help="Model to recompute with. Default: the one in vx.json.")] = None,

@@ -63,10 +63,9 @@ class RegenConfig:
             raise UsageError(f"--commit-every must be >= 1, got {self.commit_every}")
         from vx.data.chat import check_template_options
         from vx.launch.options import check_engine_options, check_scale_out
-
-        check_engine_options(self)
         from vx.monitor.metrics import check_options
 
+        check_engine_options(self)
         check_options(self)
         self.template_kwargs = check_template_options(self.chat_template, self.chat_template_kwargs)
         if not (self.num_partitions > 1 and self.partition_index is None and self.data_parallel_size == 1

@@ -99,8 +99,8 @@ def start_engine(cfg, model_dir: Path, log: Path):
                   tensor_parallel_size=cfg.tensor_parallel_size, worker_extension_cls=EXTENSION)
         if on_cpu:
             kw.update(dtype="bfloat16", enforce_eager=True)
-        kw.update(memory_kwargs(on_cpu, cfg.gpu_memory_utilization,  # on CPU, sized to the job
-                                cfg.max_model_len or (on_cpu and model_info(model_dir).max_position_embeddings)))
+        longest = cfg.max_model_len or (model_info(model_dir).max_position_embeddings if on_cpu else None)
+        kw.update(memory_kwargs(on_cpu, cfg.gpu_memory_utilization, longest))  # on CPU, sized to the job
         for k in ("max_num_seqs", "max_model_len"):
             if getattr(cfg, k):
                 kw[k] = getattr(cfg, k)

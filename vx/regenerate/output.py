@@ -45,8 +45,9 @@ def committed_ids(path: Path) -> set[str]:
 
 def looks_finished(path: Path, data: str, endpoint_url: str | None = None) -> bool:
     """Whether an earlier run wrote or reported every record of data to OUTPUT at path (its lines and
-    its errors file's): read before any engine, so that a rerun with nothing to generate can skip
-    one. A guess on the safe side: a record dropped (--drop-truncated) or changed since counts as work."""
+    its errors file's), by count: read before any engine, so that a rerun with nothing to generate
+    can skip one. A guess: a record dropped (--drop-truncated) counts as work; a wrong "finished"
+    (records changed since) only orders the engines' starts, the regeneration still finds its work."""
     if not path.exists() or not path.stat().st_size:
         return False  # a first run: nothing read
     from vx.data.inputs import Input
