@@ -237,10 +237,10 @@ class EngineWatch:
             if dead_worker is not None and self._start_failed is None:  # (its core's end said first)
                 return self._lost(f"{self.label}'s worker process (pid {dead_worker}) died")
             call = self._call
-            if call and call[0] == "start" and self._depth and stop_requested():
+            starting = call and call[0] == "start" and self._depth
+            if starting and stop_requested():
                 self._leave_start(now)
-            elif call and call[0] == "start" and self._depth and self._start_failed and \
-                    now - self._start_failed[0] > START_FAILED_S:
+            elif starting and self._start_failed and now - self._start_failed[0] > START_FAILED_S:
                 return self._lost(self._start_failed[1])
             if call and call[1] is not None and now > call[1] and self._depth:
                 self._late = f"{self.label} did not answer {call[0]} in time"
