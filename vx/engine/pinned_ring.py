@@ -31,7 +31,7 @@ class PinnedRing:
         """A [nbytes] uint8 buffer and the token to release it with. on_wait: called once, outside
         the ring's lock, before the first wait for space (the capture asks its writer to commit
         the slots it holds)."""
-        nbytes = -(-nbytes // ALIGN) * ALIGN
+        nbytes = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)  # never empty: live slots stay distinct
         if nbytes > self.capacity:
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin), None
         with self._cond:
@@ -51,14 +51,18 @@ class PinnedRing:
             return self.arena[start:start + nbytes], (start, start + nbytes)
 
     def _fit(self, n: int) -> int | None:
+        """Where n bytes start, or None while they do not fit. Live bytes run from the oldest live
+        slot's start (tail) to head, wrapping at most once; slots are never empty, so with a slot
+        live, head == tail means the bytes wrapped round to the tail: the ring is full."""
         if not self._live:
             self._head = 0
             return 0
         tail = self._live[0][0]
-        if self._head >= tail:  # free space: [head, capacity) then [0, tail)
+        if self._head > tail:  # not wrapped: free space is [head, capacity) then [0, tail)
             if self._head + n <= self.capacity:
                 return self._head
             return 0 if n <= tail else None
+        # wrapped (head <= tail): free space is [head, tail) only; head == tail is a full ring
         return self._head if self._head + n <= tail else None
 
     def release(self, token) -> None:
