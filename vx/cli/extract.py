@@ -156,7 +156,10 @@ def _print_summary(s, report) -> None:
     print(f"written      {s.shards} shards, {s.bytes_written / 1e6:,.1f} MB")
     print(f"time         load {s.load_s:.1f}s, warm-up {s.warmup_s:.1f}s, extract {s.extract_s:.1f}s")
     if s.max_model_len:
-        print(f"engine       max_model_len {s.max_model_len:,} (the longest sample + 1, unless --max-model-len)")
+        print(f"engine       max_model_len {s.max_model_len:,} (the longest sample + 1 rounded up to a whole "
+              "hidden-state block, unless --max-model-len)")
+    if s.engine_plan:
+        print(f"memory plan  {s.engine_plan}; engine's hidden-state block {s.hidden_block} tokens")
     print(f"speed        {s.samples_per_s:,.2f} samples/s, {s.tokens_per_s:,.0f} tokens/s"
           + (f", MFU {s.mfu:.1%} of {s.peak}" if s.mfu is not None else ""))
     d = s.device or {}

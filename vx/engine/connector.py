@@ -98,6 +98,11 @@ class VxCaptureConnector(KVConnectorBase_V1, SupportsHMA):
         self.rank0 = True
         self._reading: dict[str, Any] = {}  # req id -> event: its blocks are being read
 
+    @property
+    def block_size(self) -> int:
+        """Tokens per block of the hidden-state group, as vLLM planned it (vx/engine/plan.py)."""
+        return self._block_size
+
     def get_finished_count(self) -> int:
         return 1  # only TP rank 0 reads the states and reports a request's blocks free
 

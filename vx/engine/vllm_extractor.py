@@ -25,6 +25,7 @@ from vx.engine.contract import check_vllm_contract
 from vx.engine.defaults import check_tensor_parallel_pages
 from vx.engine.liveness import start_watched
 from vx.engine.logs import engine_output, vllm_log_path, without_tokenizer
+from vx.engine.plan import plan_capture_engine
 from vx.engine.vllm_engine import (
     engine_kwargs,
     prompt_ids,
@@ -69,6 +70,8 @@ class VllmExtractor:
         on_cpu = engine_env(options.get("tensor_parallel_size", 1))
         kwargs = engine_kwargs(model_dir, layer_ids, on_cpu=on_cpu, **options)
         check_vllm_contract(kwargs)  # before any weight loads: one line naming what is missing
+        # max_model_len rounded so the hidden-state block is the largest vLLM allows (vx/engine/plan.py)
+        kwargs, self.plan = plan_capture_engine(kwargs, len(layer_ids))
         dtype_bytes = 4 if kwargs["dtype"] == "float32" else 2
         check_tensor_parallel_pages(model_dir, kwargs["tensor_parallel_size"], len(layer_ids), dtype_bytes)
         without_tokenizer()
@@ -87,6 +90,8 @@ class VllmExtractor:
         self.enforce_eager = config.model_config.enforce_eager
         self.device_type = config.device_config.device_type
         self.cache_dtype = config.model_config.dtype  # the hidden-state cache holds the model's dtype
+        if self.plan is not None:  # the blocks vLLM found room for, as its client was told
+            self.plan.num_blocks = getattr(config.cache_config, "num_gpu_blocks", None)
 
     @staticmethod
     def _warmup_params():
@@ -238,4 +243,6 @@ def run_vllm(cfg, model_dir, info, layer_ids, samples, shard_args, bar, t0, erro
     finally:
         ex.close()
     stats["max_model_len"] = ex.max_model_len
+    if ex.plan is not None:
+        stats["plan"] = ex.plan.line()
     return load_s, ex.warmup_s, extract_s, counts["n"] - len(stats.get("rejected", [])), counts["tokens"], stats

@@ -76,7 +76,8 @@ class VxWorkerExtension:
         return {"samples": sink.received, "tokens": sink.tokens, "shards": w.committed_shards,
                 "bytes": w.committed_bytes, "rejected": w.rejected, "peak_local_bytes": w.peak_local_bytes,
                 "ring_waits": sink.ring_waits, "ring_bytes": sink.ring_bytes, "chunk_rows": sink.chunk_rows,
-                "zero_copy_rows": sink.zero_copy_rows, "copied_rows": sink.copied_rows}
+                "zero_copy_rows": sink.zero_copy_rows, "copied_rows": sink.copied_rows,
+                "hidden_block": conn.block_size}
 
     def vx_param_count(self, substring: str) -> int:
         """Parameters of the loaded model whose name contains `substring` (tests: no vision tower)."""

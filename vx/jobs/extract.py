@@ -154,7 +154,7 @@ def _extract_locked(cfg, job, out: Output, lines, elsewhere, progress, reporter,
             else:
                 yield item
 
-    max_model_len = None
+    max_model_len, engine_plan = None, (None, None)
     try:
         samples = good_samples()
         first = next(samples, None)  # none left (a finished partition's rerun): no model is loaded
@@ -182,6 +182,7 @@ def _extract_locked(cfg, job, out: Output, lines, elsewhere, progress, reporter,
             shards, nbytes = wstats.get("shards", 0), wstats.get("bytes", 0)
             peak_local = wstats.get("peak_local_bytes", 0)
             max_model_len = wstats.get("max_model_len")
+            engine_plan = (wstats.get("hidden_block"), wstats.get("plan"))
             if cfg.strict and wstats.get("rejected"):
                 raise VxError(f"{len(wstats['rejected'])} samples rejected (--strict): {wstats['rejected'][:3]}")
     except BaseException:
@@ -211,7 +212,7 @@ def _extract_locked(cfg, job, out: Output, lines, elsewhere, progress, reporter,
     s = Summary(str(cfg.output), job.backend, n, tokens, errors.count, len(state.committed_ids),
                 shards, nbytes, load_s, warmup_s, extract_s, str(out.target) if out.target else None,
                 up.get("uploaded_bytes", 0), up.get("upload_mb_s", 0.0), peak_local,
-                max_model_len if job.backend == "vllm" else None)
+                max_model_len if job.backend == "vllm" else None, *engine_plan)
     s.set_mfu(terms, bar.meter)
     return s
 

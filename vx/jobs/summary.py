@@ -22,7 +22,9 @@ class Summary:
     uploaded_bytes: int = 0
     upload_mb_s: float = 0.0
     peak_local_bytes: int = 0
-    max_model_len: int | None = None  # vllm: the engine's longest request (the longest sample + 1)
+    max_model_len: int | None = None  # vllm: the engine's longest request (the longest sample + 1, rounded by the plan)
+    hidden_block: int | None = None   # vllm: tokens per block of the hidden-state group, read back from the engine
+    engine_plan: str | None = None    # vllm: the memory plan's line (vx/engine/plan.py)
     partitions: list | None = None  # data parallel / Ray: one summary per partition
     balance: dict | None = None     # tokens per partition and their spread
     regenerated: dict | None = None  # --regenerate: the regeneration's summary (vx/pipeline/one_pass.py)

@@ -1,0 +1,151 @@
+"""The capture engine's memory plan (vx/engine/plan.py), run by vLLM's own planner over the configs
+of real targets (config values only: no weights), for the GPUs users run them on.
+
+The expected figures are worked out here from the config values with vLLM's rules as its source
+states them (0.32 `_align_hybrid_block_size`, `get_kv_cache_groups`, `_get_kv_cache_bytes_per_block`),
+not read from the plan: the GDN state page (fp32 recurrent state, as the checkpoints ask through
+`mamba_ssm_dtype`, and a conv state one token longer for the extract_hidden_states method), the
+attention block aligned up to it in 16-token kernel blocks, the hidden-state block the largest
+divisor of it that fits the page, every block billed at the widest group's (16 layers') pages.
+"""
+
+import json
+import math
+
+import pytest
+
+from vx.errors import UsageError
+from vx.engine.plan import (
+    MIN_HIDDEN_BLOCK,
+    check_fits,
+    gpu_attention_block,
+    plan_engine,
+)
+
+QWEN36_27B = dict(  # Qwen3.6-27B (text config of the VL checkpoint)
+    hidden_size=5120, num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
+    intermediate_size=17408, linear_num_value_heads=48, linear_num_key_heads=16, linear_key_head_dim=128,
+    linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4, weights_gb=54.0)
+QWEN35_4B = dict(  # a Qwen3.5 4B-class target
+    hidden_size=2560, num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4, head_dim=256,
+    intermediate_size=9216, linear_num_value_heads=32, linear_num_key_heads=16, linear_key_head_dim=128,
+    linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4, weights_gb=9.3)
+QWEN36_35B_A3B = dict(  # Qwen3.6-35B-A3B (MoE: 256 experts, 8 routed + 1 shared)
+    hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+    linear_num_value_heads=32, linear_num_key_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_conv_kernel_dim=4, full_attention_interval=4, num_experts=256, num_experts_per_tok=8,
+    moe_intermediate_size=512, shared_expert_intermediate_size=512, weights_gb=70.0, moe=True)
+GPUS = {"H200": 141e9, "H100": 80e9, "RTX PRO 6000": 96e9}
+STEP, SEQS, MEAN = 8192, 128, 335  # vx's GPU step and the dataset's mean sample
+
+
+def write_config(tmp_path, spec: dict):
+    text = {k: v for k, v in spec.items() if k not in ("weights_gb", "moe")}
+    text.update(vocab_size=248320, max_position_embeddings=262144, rms_norm_eps=1e-6, mamba_ssm_dtype="float32",
+                layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (spec["num_hidden_layers"] // 4),
+                attn_output_gate=True, model_type="qwen3_5_moe_text" if spec.get("moe") else "qwen3_5_text",
+                rope_parameters={"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25})
+    arch = "Qwen3_5MoeForCausalLM" if spec.get("moe") else "Qwen3_5ForCausalLM"
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": [arch], "torch_dtype": "bfloat16", **text}))
+    return tmp_path
+
+
+def engine_config(model_dir, tp: int, max_model_len: int, layers: int = 5):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vx.engine.vllm_engine import engine_kwargs
+
+    kw = engine_kwargs(model_dir, list(range(1, 1 + 15 * layers, 15)), on_cpu=False, max_model_len=max_model_len,
+                       tensor_parallel_size=tp)
+    kw.update(tokenizer=None, distributed_executor_backend="mp")
+    return EngineArgs(**kw).create_engine_config()
+
+
+def expected(spec: dict, tp: int, layers: int = 5) -> dict:
+    """vLLM's rules over the config values, by hand."""
+    kv = spec["num_key_value_heads"] // tp if spec["num_key_value_heads"] >= tp else 1
+    attn_token = 2 * kv * spec["head_dim"] * 2  # K and V, bf16, per layer
+    k, v = spec["linear_num_key_heads"] // tp, spec["linear_num_value_heads"] // tp
+    kd, vd = spec["linear_key_head_dim"], spec["linear_value_head_dim"]
+    conv = (2 * k * kd + v * vd) * (spec["linear_conv_kernel_dim"] - 1 + 1) * 2  # + 1 token: the spec method
+    gdn_page = v * kd * vd * 4 + conv
+    attention_block = 16 * math.ceil(gdn_page / (16 * attn_token))
+    page = attention_block * attn_token
+    per_token = layers * spec["hidden_size"] * 2
+    cap = page // per_token
+    hidden_block = max(d for d in range(1, min(attention_block, cap) + 1) if attention_block % d == 0)
+    return {"attention_block": attention_block, "hidden_block": hidden_block, "page": page,
+            "bytes_per_block": page * spec["num_hidden_layers"] // 4}  # 16 layers in the widest group
+
+
+@pytest.mark.parametrize("name,spec", [("27B", QWEN36_27B), ("4B", QWEN35_4B), ("35B-A3B", QWEN36_35B_A3B)])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_plan_gives_the_hidden_state_group_a_block_of_16_or_more(tmp_path, name, spec, tp):
+    """For the longest sample of the real dataset (3,301 tokens incl. the sampled one) and a few
+    arbitrary lengths: vLLM's own grouping, after vx's rounding, gives the block worked out by hand,
+    never below 16; unrounded, most lengths would get 1."""
+    model = write_config(tmp_path, spec)
+    want = expected(spec, tp)
+    for length in (3301, 337, 1999):
+        config = engine_config(model, tp, length)
+        attention = gpu_attention_block(config)
+        assert attention == want["attention_block"], (name, tp)
+        plan = plan_engine(config, 5, spec["hidden_size"], attention_block=attention)
+        assert plan.hidden_block == want["hidden_block"] >= MIN_HIDDEN_BLOCK, (name, tp, length)
+        assert plan.max_model_len >= length and plan.max_model_len % plan.hidden_block == 0
+        assert plan.max_model_len - length < plan.hidden_block  # the least rounding that keeps the block
+        assert plan.bytes_per_block == want["bytes_per_block"]
+        unrounded = plan_engine(engine_config(model, tp, length), 5, spec["hidden_size"], attention_block=attention,
+                                round_up=False)
+        assert unrounded.hidden_block == math.gcd(want["attention_block"], length) or length % 16 == 0
+
+
+def test_27b_on_one_gpu_matches_the_figures_worked_out_from_vllms_code(tmp_path):
+    """Qwen3.6-27B, TP 1, layers [1,16,31,46,61]: attention block 800 tokens (a 3.3 MB GDN page in
+    4,096-byte tokens), hidden-state block 50 (largest divisor of 800 within 64 tokens of
+    51,200 B), ~52 MB billed per block: ~1 MiB per captured token, 20x its own size."""
+    config = engine_config(write_config(tmp_path, QWEN36_27B), 1, 3301)
+    plan = plan_engine(config, 5, 5120, attention_block=gpu_attention_block(config))
+    assert (plan.attention_block, plan.hidden_block) == (800, 50)
+    assert plan.bytes_per_block == 16 * 800 * 4096
+    assert round(plan.billed_bytes_per_token / 51_200, 1) == 20.5
+    assert plan.max_model_len == 3350
+
+
+@pytest.mark.parametrize("gpu", list(GPUS))
+@pytest.mark.parametrize("name,spec", [("27B", QWEN36_27B), ("4B", QWEN35_4B), ("35B-A3B", QWEN36_35B_A3B)])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_plan_fits_and_says_how_many_requests_stay_in_flight(tmp_path, gpu, name, spec, tp):
+    """At 0.9 of the GPU less the weights (and 4 GB for activations), the blocks hold one request
+    of max_model_len, and the plan says how many average requests stay in flight. Whether they
+    cover a full 8,192-token step plus the step of finished requests the connector still holds:
+    everywhere but 27B on one 80 or 96 GB card, where vLLM's billing of the hidden-state blocks
+    (~1 MiB per captured token) leaves 19-38 requests."""
+    config = engine_config(write_config(tmp_path, spec), tp, 3301)
+    available = int(GPUS[gpu] * 0.9 - spec["weights_gb"] * 1e9 / tp - 4e9)
+    plan = plan_engine(config, 5, spec["hidden_size"], available_bytes=available,
+                       attention_block=gpu_attention_block(config))
+    if (name, gpu, tp) == ("35B-A3B", "H100", 1):  # 70 GB of bf16 weights in 72 GB: refused in one line
+        with pytest.raises(UsageError, match="cannot start"):
+            check_fits(plan, tp)
+        return
+    check_fits(plan, tp)  # one request of max_model_len fits
+    assert plan.num_blocks == available // expected(spec, tp)["bytes_per_block"]
+    # a request's blocks: attention and hidden states by length, 2 per GDN group (its state + the
+    # extract_hidden_states method's spare), vLLM's null block aside
+    want = expected(spec, tp)
+    per_request = -(-MEAN // want["attention_block"]) + 3 * 2 + -(-MEAN // want["hidden_block"])
+    in_flight = plan.requests_in_flight(MEAN)
+    assert plan.blocks_for(MEAN) == per_request and in_flight == (plan.num_blocks - 1) // per_request
+    covers = in_flight * MEAN >= 2 * STEP
+    # ~1 MiB per captured token on one 80-96 GB card: the step cannot stay full; everywhere else it can
+    assert covers == ((name, tp) != ("27B", 1) or gpu == "H200"), plan.line(MEAN)
+    assert f"or {in_flight:,} of {MEAN} tokens" in plan.line(MEAN)
+
+
+def test_a_max_model_len_that_cannot_fit_stops_before_any_weight_loads(tmp_path):
+    config = engine_config(write_config(tmp_path, QWEN36_27B), 1, 65536)
+    plan = plan_engine(config, 5, 5120, available_bytes=int(80e9 * 0.9 - 54e9 - 4e9),
+                       attention_block=gpu_attention_block(config))
+    with pytest.raises(UsageError, match="cannot start.*--max-model-len.*--tensor-parallel-size"):
+        check_fits(plan, 1)
