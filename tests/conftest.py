@@ -158,3 +158,31 @@ def machine_cache(path: Path) -> str:
     if not (path / model.name).exists():
         (path / model.name).symlink_to(model, target_is_directory=True)
     return str(path)
+
+
+_BLOCK_LINE = None
+_SEEN_LOGS: dict = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def engines_got_a_hidden_state_block_of_16_or_more(request, tmp_path_factory):
+    """Every vLLM engine a test file started logged the block vLLM gave vx's hidden-state group
+    (`Using block size N for hidden-state cache layer`): N >= 16 (vx/engine/plan.py), read after the
+    file's tests from each engine log under the session's temporary directory."""
+    import re
+
+    global _BLOCK_LINE
+    _BLOCK_LINE = _BLOCK_LINE or re.compile(r"\((EngineCore[^)]*)\).*Using block size (\d+) for hidden-state cache layer")
+    yield
+    small = []
+    for log in Path(tmp_path_factory.getbasetemp()).rglob("*.log"):
+        try:
+            stamp = log.stat().st_mtime_ns
+            if _SEEN_LOGS.get(log) == stamp or log.stat().st_size > 64 << 20:
+                continue
+            _SEEN_LOGS[log] = stamp
+            text = log.read_text(errors="replace")
+        except OSError:
+            continue
+        small += [f"{log}: block {m.group(2)}" for m in _BLOCK_LINE.finditer(text) if int(m.group(2)) < 16]
+    assert not small, "engines got a hidden-state block under 16 tokens:\n" + "\n".join(small[:10])
