@@ -176,6 +176,8 @@ def engines_got_a_hidden_state_block_of_16_or_more(request, tmp_path_factory):
     yield
     small = []
     for log in Path(tmp_path_factory.getbasetemp()).rglob("*.log"):
+        if "tensor_parallel" in str(log):  # TP 2 halves the tiny model's page: vLLM's cap there is 8
+            continue
         try:
             stamp = log.stat().st_mtime_ns
             if _SEEN_LOGS.get(log) == stamp or log.stat().st_size > 64 << 20:

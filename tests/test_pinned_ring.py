@@ -196,7 +196,7 @@ def test_a_release_wakes_a_waiting_request():
 # steps, one step per shard, and the writer stalled in the middle of its second shard: the forward
 # fills the ring and wraps while the writer still reads the second step's slot.
 _RUN = textwrap.dedent("""
-    import sys, torch
+    import sys, time, torch
     from pathlib import Path
     from vx.engine.capture import Finished
     from vx.engine.sink import CaptureSink
@@ -213,22 +213,26 @@ _RUN = textwrap.dedent("""
     writer = ShardWriter(out, {"model": "t"}, step_rows * token_bytes, 0, L, H, "bf16")
     sink = CaptureSink(writer, "bf16", torch.device("cpu"), ring_bytes=3 * step_bytes + 64,
                        chunk_rows=1 << 20, hold_bytes=1 << 40, staging="ring")
+    longest = 0.0
     for step in range(STEPS):
         cache.copy_(torch.randn(cache.shape, generator=g).to(torch.bfloat16))  # the next step's rows
         fin = []
         for j in range(PER_STEP):
             ids = list(range(1 + j * (T // BS), 1 + (j + 1) * (T // BS)))
             fin.append(Finished(f"r{step}-{j}", f"s{step}-{j}", step * PER_STEP + j, bytes([1]) * T, list(range(T)), ids))
+        t = time.monotonic()
         sink.submit(cache, fin, BS)
+        longest = max(longest, time.monotonic() - t)
     sink.close()
-    print("ring waits", sink.ring_waits, "zero-copy rows", sink.zero_copy_rows)
+    print("ring waits", sink.ring_waits, "spills", sink.ring_spills, "longest submit", longest)
 """)
 
 
-def _run(out: Path, stall: bool) -> str:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VX_FAULT")}
+def _run(out: Path, stall: bool, stall_s: int = 3, **extra) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VX_FAULT", "VLLM_EXECUTE_MODEL"))}
+    env.update(extra)
     if stall:
-        env.update(VX_FAULT="mid-shard-write:2:stall", VX_FAULT_STALL_S="3")
+        env.update(VX_FAULT="mid-shard-write:2:stall", VX_FAULT_STALL_S=str(stall_s))
     r = subprocess.run([sys.executable, "-c", _RUN, str(out)], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout
@@ -246,3 +250,31 @@ def test_a_stalled_writer_behind_a_full_ring_writes_the_same_bytes(tmp_path):
     assert len(shards) >= 10 and shards == sorted(p.name for p in stalled.glob("*.safetensors"))
     for name in shards:
         assert (calm / name).read_bytes() == (stalled / name).read_bytes(), f"{name} differs"
+
+
+def _said(out: str, what: str) -> float:
+    return float(out.split(what + " ")[1].split()[0])
+
+
+def test_backpressure_never_outwaits_vllms_execute_timeout(tmp_path):
+    """With tensor parallelism vLLM declares a worker dead when a step outlasts
+    VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (MultiprocExecutor). A writer stalled 20 s behind a full ring,
+    against a 5 s timeout: no step's capture waits past half of it (the step gets a buffer of its
+    own instead), the run completes, and its shards are byte-identical to an unstalled run's."""
+    calm, stalled = tmp_path / "calm", tmp_path / "stalled"
+    _run(calm, stall=False)
+    said = _run(stalled, stall=True, stall_s=20, VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS="5")
+    assert _said(said, "spills") > 0, said  # the bound was reached: steps went on without the ring
+    assert _said(said, "longest submit") < 5, said  # under the timeout (the bound is 2.5 s)
+    shards = sorted(p.name for p in calm.glob("*.safetensors"))
+    assert shards == sorted(p.name for p in stalled.glob("*.safetensors"))
+    for name in shards:
+        assert (calm / name).read_bytes() == (stalled / name).read_bytes(), f"{name} differs"
+
+
+def test_the_wait_bound_follows_the_execute_timeout_in_force():
+    from vx.engine.sink import execute_wait_bound_s
+
+    assert execute_wait_bound_s({}) == 150.0  # vLLM's default 300 s
+    assert execute_wait_bound_s({"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "5"}) == 2.5
+    assert execute_wait_bound_s({"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "junk"}) == 150.0

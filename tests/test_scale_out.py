@@ -130,6 +130,9 @@ def test_data_parallel_to_s3_gives_one_verified_dataset(s3_server, tmp_path, tin
                    "--shard-size", "0.2", env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     assert s["samples"] == 24 and s["errors"] == 1 and s["uploaded_bytes"] > 0
+    # the rate from the uploads' own durations (it printed 0.0 MB/s), no faster than any partition's
+    rates = [p["upload_mb_s"] for p in s["partitions"]]
+    assert all(r > 0 for r in rates) and 0 < s["upload_mb_s"] <= max(rates) * 1.001
     names = download(client, "vx-out", "dp", tmp_path / "copy")
     assert "vx.json" in names and "part-00001-of-00002/manifest.jsonl" in names
     ds = vx.open_dataset(tmp_path / "copy")
@@ -159,3 +162,18 @@ def test_a_second_writer_on_the_same_output_stops_at_once(tmp_path, tiny_model):
         r = vx_cmd("extract", CHAT, "-o", str(out), "--backend", "hf")
     assert r.returncode == 2 and "is being written by another vx extract (pid" in r.stderr, r.stderr[-1000:]
     assert not list(out.glob("shard-*"))
+
+
+def test_ray_tasks_carry_the_drivers_engine_settings_but_not_its_gpus():
+    """A partition on another node runs the engine the driver's user configured: vLLM's, CUDA's,
+    NCCL's, PyTorch's and OpenMP's variables travel with the task (with vx's, S3's and the hub's);
+    CUDA_VISIBLE_DEVICES is Ray's to assign on each node, and unrelated variables stay home."""
+    from vx.launch.ray_tasks import forwarded_env
+
+    driver = {"VLLM_ATTENTION_BACKEND": "FLASHINFER", "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "900",
+              "CUDA_DEVICE_MAX_CONNECTIONS": "1", "NCCL_IB_DISABLE": "1", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+              "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "OMP_NUM_THREADS": "8", "VX_CACHE_DIR": "/c",
+              "AWS_REGION": "us-east-1", "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "0,1", "HOME": "/root",
+              "PATH": "/bin", "SLURM_JOB_ID": "7"}
+    assert forwarded_env(driver) == {k: v for k, v in driver.items()
+                                     if k not in ("CUDA_VISIBLE_DEVICES", "HOME", "PATH", "SLURM_JOB_ID")}

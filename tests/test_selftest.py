@@ -37,6 +37,11 @@ def test_selftest_of_a_vl_layout_checkpoint_fails_naming_sample_and_layer_when_a
     assert err.startswith("vx: error: selftest failed: sample '") and " layer 2: cosine " in err, err
     got = json.loads(report.read_text())
     assert got["samples"] == 16 and "VL layout" in got["rows"]["model"] and "4 layers" in got["rows"]["model"]
+    # the real target's capture engine, planned from its config: the block vLLM gives its hidden states
+    plan = got["rows"]["target plan"]
+    assert "samples up to 4,096 tokens" in plan and int(plan.split("hidden states ")[1].split()[0]) >= 16, plan
+    engine = got["rows"]["engine"]  # the twin's block, read back from its engine
+    assert int(engine.split("hidden-state block ")[1].split()[0]) >= 16, engine
     worst = {w["layer"]: w["min_cosine"] for w in got["layers"]}
     assert sorted(worst) == [0, 1, 2, 3] and worst[2] < 0.9
     assert all(worst[k] >= 0.9995 for k in (0, 1, 3))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 
 import torch
 
@@ -26,14 +27,18 @@ class PinnedRing:
         self._head = 0  # next free byte
         self._cond = threading.Condition()
         self.waits = 0  # times an allocation had to wait for the writer (backpressure)
+        self.spills = 0  # allocations that waited their whole timeout and got a buffer of their own
 
-    def alloc(self, nbytes: int, on_wait=None) -> tuple[torch.Tensor, object]:
+    def alloc(self, nbytes: int, on_wait=None, timeout: float | None = None) -> tuple[torch.Tensor, object]:
         """A [nbytes] uint8 buffer and the token to release it with. on_wait: called once, outside
         the ring's lock, before the first wait for space (the capture asks its writer to commit
-        the slots it holds)."""
+        the slots it holds). timeout: the longest wait for space, in seconds; past it the request
+        gets a buffer of its own (token None, counted in `spills`): the forward that asks must
+        not outwait vLLM's execute timeout, which would declare its worker dead."""
         nbytes = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)  # never empty: live slots stay distinct
         if nbytes > self.capacity:
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin), None
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while (start := self._fit(nbytes)) is None:
                 if on_wait is not None:
@@ -45,7 +50,11 @@ class PinnedRing:
                     on_wait = None
                     continue
                 self.waits += 1
-                self._cond.wait()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    self.spills += 1
+                    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin), None
+                self._cond.wait(left)
             self._live.append((start, start + nbytes))
             self._head = start + nbytes
             return self.arena[start:start + nbytes], (start, start + nbytes)

@@ -127,6 +127,22 @@ def kv_cache_specs(vllm_config, layer_count: int, hidden: int, attention_block: 
     return specs, hybrid
 
 
+def align_for_platform(vllm_config) -> None:
+    """What vLLM's executor does before the model loads (`update_block_size_for_backend`): align a
+    hybrid model's attention block up to the GDN state page for this platform's attention backend,
+    chosen by vLLM's selector (the executor finds it on the built model's layers)."""
+    if not _is_hybrid(vllm_config) or getattr(vllm_config.cache_config, "mamba_page_size_padded", None):
+        return
+    from vllm.config import set_current_vllm_config
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.selector import get_attn_backend
+
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    with set_current_vllm_config(vllm_config):
+        backend = get_attn_backend(mc.get_head_size(), mc.dtype, cc.cache_dtype)
+    current_platform._align_hybrid_block_size(vllm_config, backend)
+
+
 def plan_config(vllm_config, layer_count: int, hidden: int, available_bytes: int | None = None,
                 attention_block: int | None = None) -> EnginePlan:
     """vLLM's grouping and billing over the specs of this config (max_model_len as it is)."""
@@ -134,6 +150,8 @@ def plan_config(vllm_config, layer_count: int, hidden: int, available_bytes: int
 
     p = _planning()
     _assume_layout(vllm_config)
+    if attention_block is None:
+        align_for_platform(vllm_config)
     block = attention_block or vllm_config.cache_config.block_size
     specs, hybrid = kv_cache_specs(vllm_config, layer_count, hidden, block)
     groups = p.get_kv_cache_groups(vllm_config, specs)
@@ -264,3 +282,29 @@ def plan_capture_engine(kwargs: dict, layer_count: int) -> tuple[dict, EnginePla
     check_fits(plan, config.parallel_config.tensor_parallel_size)
     plan.num_blocks = None  # the engine's own count replaces the estimate once it starts
     return kwargs, plan
+
+
+PLANNED_LENGTH = 4096  # the longest sample `vx selftest` plans a real target's engine for
+MEAN_SAMPLE = 335      # the tokens of an average chat sample (the line's in-flight figure)
+
+
+def describe_target(model_dir, layer_count: int, tensor_parallel_size: int, on_cpu: bool) -> str:
+    """One line for `vx selftest --model`: the capture engine's plan for the real target (its
+    config only, no weights), with this GPU's memory: blocks, billed bytes per captured token,
+    requests in flight, or why the engine would not start."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vx.engine.vllm_engine import engine_kwargs
+    from vx.errors import UsageError
+
+    kwargs = engine_kwargs(model_dir, list(range(layer_count)), on_cpu=on_cpu, max_model_len=PLANNED_LENGTH,
+                           tensor_parallel_size=tensor_parallel_size)
+    config = EngineArgs(**kwargs).create_engine_config()
+    plan = plan_engine(config, layer_count, int(config.model_config.hf_text_config.hidden_size),
+                       _gpu_bytes_beside_weights(config, model_dir))
+    where = "" if plan.available_bytes is None else f" ({plan.available_bytes / 1e9:,.1f} GB beside the weights)"
+    try:
+        check_fits(plan, tensor_parallel_size)
+    except UsageError as e:
+        return f"samples up to {PLANNED_LENGTH:,} tokens{where}: WOULD NOT START: {e}"
+    return f"samples up to {PLANNED_LENGTH:,} tokens{where}: {plan.line(MEAN_SAMPLE)}"

@@ -84,6 +84,20 @@ class _Chunk:
 
 
 FLUSH = object()  # queued when the forward waits for ring space: the writer commits what it holds
+EXECUTE_TIMEOUT_S = 300.0  # vLLM's VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS default (0.32, 0.33)
+
+
+def execute_wait_bound_s(environ=None) -> float:
+    """The longest the forward may wait for ring space inside a step: half of vLLM's execute
+    timeout in force (past it, MultiprocExecutor declares a tensor-parallel worker dead)."""
+    import os
+
+    env = os.environ if environ is None else environ
+    try:
+        timeout = float(env.get("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS") or EXECUTE_TIMEOUT_S)
+    except ValueError:
+        timeout = EXECUTE_TIMEOUT_S
+    return max(0.1, timeout / 2)
 
 
 class CaptureSink:
@@ -113,7 +127,10 @@ class CaptureSink:
         self._held = 0  # ring bytes the writer holds
         self._held_lock = threading.Lock()
         self._pending: _Group | None = None  # the zero-copy group being assembled
-        self._queue: queue.Queue = queue.Queue(maxsize=max_queued)
+        # the ring path's queue is bounded by the ring (and by the spills, one per wait_bound_s);
+        # a bounded queue would make the forward wait on the writer without limit
+        self._queue: queue.Queue = queue.Queue(maxsize=0 if ring else max_queued)
+        self.wait_bound_s = execute_wait_bound_s()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._intake, name="vx-capture-intake", daemon=True)
         self._thread.start()
@@ -159,13 +176,14 @@ class CaptureSink:
         regions = [stored, finite, zero] + ([scales] if scales is not None else [])
         shapes = [(tuple(x.shape), x.dtype) for x in regions]
         size = nbytes(shapes)
-        buf, token = self._ring.alloc(size, on_wait=self._ask_flush)  # waits while the ring is full
+        # waits while the ring is full, never past the bound: vLLM would declare the worker dead
+        buf, token = self._ring.alloc(size, on_wait=self._ask_flush, timeout=self.wait_bound_s)
         host = carve(buf, shapes)
         for dst, src in zip(host, regions):
             dst.copy_(src, non_blocking=stream is not None)
         event = None
         if stream is not None:
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(blocking=True)  # the intake sleeps in synchronize() instead of spinning a core
             event.record(stream)
         t = stored.shape[0]
         self._queue.put(_Chunk(group, start, t, [host[0], host[3] if scales is not None else None, host[1], host[2]],
@@ -278,3 +296,7 @@ class CaptureSink:
     @property
     def ring_waits(self) -> int:
         return self._ring.waits if self._ring is not None else 0
+
+    @property
+    def ring_spills(self) -> int:
+        return self._ring.spills if self._ring is not None else 0

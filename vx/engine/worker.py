@@ -75,7 +75,7 @@ class VxWorkerExtension:
         w = sink.writer
         return {"samples": sink.received, "tokens": sink.tokens, "shards": w.committed_shards,
                 "bytes": w.committed_bytes, "rejected": w.rejected, "peak_local_bytes": w.peak_local_bytes,
-                "ring_waits": sink.ring_waits, "ring_bytes": sink.ring_bytes, "chunk_rows": sink.chunk_rows,
+                "ring_waits": sink.ring_waits, "ring_spills": sink.ring_spills, "ring_bytes": sink.ring_bytes, "chunk_rows": sink.chunk_rows,
                 "zero_copy_rows": sink.zero_copy_rows, "copied_rows": sink.copied_rows,
                 "hidden_block": conn.block_size}
 

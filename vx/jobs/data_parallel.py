@@ -125,7 +125,8 @@ def combine(cfg, backend: str, results: dict[int, dict], total_s: float, extract
 
     parts = [dict(partition=i, **{k: r[k] for k in ("samples", "tokens", "errors", "resumed_samples", "shards",
                                                      "bytes_written", "load_s", "warmup_s", "extract_s")},
-                  finished_s=r.get("finished_s"), wall_s=r.get("wall_s")) for i, r in sorted(results.items())]
+                  finished_s=r.get("finished_s"), wall_s=r.get("wall_s"), upload_mb_s=r.get("upload_mb_s"))
+             for i, r in sorted(results.items())]
     finish = [p["finished_s"] for p in parts if p["finished_s"] is not None]
     starts = [p["finished_s"] - p["extract_s"] for p in parts if p["finished_s"] is not None]
     if finish:  # from the first engine's first sample to the last engine's end (loads excluded)
@@ -136,11 +137,20 @@ def combine(cfg, backend: str, results: dict[int, dict], total_s: float, extract
     s = Summary(str(cfg.output), backend, *(sum(p[k] for p in parts) for k in
                 ("samples", "tokens", "errors", "resumed_samples", "shards", "bytes_written")),
                 max((p["load_s"] for p in parts), default=0.0), max((p["warmup_s"] for p in parts), default=0.0),
-                extract_s, cfg.upload, sum(r.get("uploaded_bytes", 0) for r in results.values()), 0.0,
+                extract_s, cfg.upload, sum(r.get("uploaded_bytes", 0) for r in results.values()),
+                upload_rate(results.values()),
                 max((r.get("peak_local_bytes", 0) for r in results.values()), default=0),
                 max((r.get("max_model_len") or 0 for r in results.values()), default=0) or None,
                 partitions=parts, balance=balance)
     return s
+
+
+def upload_rate(partitions) -> float:
+    """MB/s of the partitions' uploads, from their own durations (each partition's bytes over its
+    rate): the bytes over the time an uploader spent sending them."""
+    sent = [(r.get("uploaded_bytes", 0), r.get("upload_mb_s") or 0.0) for r in partitions]
+    seconds = sum(b / (mb_s * 1e6) for b, mb_s in sent if b and mb_s)
+    return sum(b for b, _ in sent) / seconds / 1e6 if seconds else 0.0
 
 
 def worker_main(argv: list[str]) -> int:

@@ -19,7 +19,16 @@ from pathlib import Path
 from vx.errors import UsageError
 from vx.launch.workers import GROUP_EXIT_S, Tally, last_line, reap_worker, spawn_worker, stop_worker
 
-FORWARD_ENV = ("VX_", "AWS_", "HF_")  # the driver's settings that workers on other nodes need
+# The driver's settings that workers on other nodes need: vx's, S3's and the hub's, and the engine's
+# own (vLLM's runner, attention backend and timeouts; CUDA, NCCL, PyTorch and OpenMP settings), so
+# every node runs the engine the driver's user configured. CUDA_VISIBLE_DEVICES is Ray's to assign.
+FORWARD_ENV = ("VX_", "AWS_", "HF_", "VLLM_", "CUDA_", "NCCL_", "PYTORCH_", "TORCH_", "OMP_")
+NODE_OWN_ENV = {"CUDA_VISIBLE_DEVICES"}
+
+
+def forwarded_env(environ) -> dict:
+    """The variables of the driver's environment a partition task carries to its node."""
+    return {k: v for k, v in environ.items() if k.startswith(FORWARD_ENV) and k not in NODE_OWN_ENV}
 
 
 class ProgressSink:
@@ -130,7 +139,7 @@ def run_tasks(configs: list[dict], plan: dict, num_gpus: int, max_retries: int, 
     sink = ray.remote(num_cpus=0)(ProgressSink).remote()
     task = ray.remote(partition_task).options(num_gpus=num_gpus, num_cpus=1, max_retries=max_retries,
                                               retry_exceptions=True)
-    env = {k: v for k, v in os.environ.items() if k.startswith(FORWARD_ENV)}
+    env = forwarded_env(os.environ)
     refs = {task.remote(c, plan_ref, env, sink, module): c["partition_index"] for c in configs}
     results, failed = {}, {}
     t_start = time.perf_counter()
