@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -160,7 +161,7 @@ def machine_cache(path: Path) -> str:
     return str(path)
 
 
-_BLOCK_LINE = None
+_BLOCK_LINE = re.compile(r"\((EngineCore[^)]*)\).*Using block size (\d+) for hidden-state cache layer")
 _SEEN_LOGS: dict = {}
 
 
@@ -169,10 +170,6 @@ def engines_got_a_hidden_state_block_of_16_or_more(request, tmp_path_factory):
     """Every vLLM engine a test file started logged the block vLLM gave vx's hidden-state group
     (`Using block size N for hidden-state cache layer`): N >= 16 (vx/engine/plan.py), read after the
     file's tests from each engine log under the session's temporary directory."""
-    import re
-
-    global _BLOCK_LINE
-    _BLOCK_LINE = _BLOCK_LINE or re.compile(r"\((EngineCore[^)]*)\).*Using block size (\d+) for hidden-state cache layer")
     yield
     small = []
     for log in Path(tmp_path_factory.getbasetemp()).rglob("*.log"):

@@ -15,12 +15,8 @@ import math
 import pytest
 
 from vx.errors import UsageError
-from vx.engine.plan import (
-    MIN_HIDDEN_BLOCK,
-    check_fits,
-    gpu_attention_block,
-    plan_engine,
-)
+from vx.engine.plan import MIN_HIDDEN_BLOCK, gpu_attention_block, plan_engine
+from vx.engine.plan_start import check_fits
 
 QWEN36_27B = dict(  # Qwen3.6-27B (text config of the VL checkpoint)
     hidden_size=5120, num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4, head_dim=256,

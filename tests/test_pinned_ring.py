@@ -273,7 +273,7 @@ def test_backpressure_never_outwaits_vllms_execute_timeout(tmp_path):
 
 
 def test_the_wait_bound_follows_the_execute_timeout_in_force():
-    from vx.engine.sink import execute_wait_bound_s
+    from vx.engine.capture import execute_wait_bound_s
 
     assert execute_wait_bound_s({}) == 150.0  # vLLM's default 300 s
     assert execute_wait_bound_s({"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "5"}) == 2.5

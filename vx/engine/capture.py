@@ -67,6 +67,22 @@ def capture_budget(step_tokens: int, layers: int, hidden: int, store_dtype: str,
     return {"chunk_rows": int(chunk_rows), "ring_bytes": int(ring), "hold_bytes": int(ring - in_flight)}
 
 
+EXECUTE_TIMEOUT_S = 300.0  # vLLM's VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS default (0.32, 0.33)
+
+
+def execute_wait_bound_s(environ=None) -> float:
+    """The longest the forward may wait for ring space inside a step: half of vLLM's execute
+    timeout in force (past it, MultiprocExecutor declares a tensor-parallel worker dead)."""
+    import os
+
+    env = os.environ if environ is None else environ
+    try:
+        timeout = float(env.get("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS") or EXECUTE_TIMEOUT_S)
+    except ValueError:
+        timeout = EXECUTE_TIMEOUT_S
+    return max(0.1, timeout / 2)
+
+
 RING_CAP = 4 << 30  # the most pinned memory the writer's share grows the ring to
 
 

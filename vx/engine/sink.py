@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vx.engine.capture import Finished, capture_chunks, slots_of
+from vx.engine.capture import Finished, capture_chunks, execute_wait_bound_s, slots_of
 from vx.engine.pinned_ring import Hold, PinnedRing, carve, nbytes
 from vx.store.encoding import flags_problem
 
@@ -84,22 +84,6 @@ class _Chunk:
 
 
 FLUSH = object()  # queued when the forward waits for ring space: the writer commits what it holds
-EXECUTE_TIMEOUT_S = 300.0  # vLLM's VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS default (0.32, 0.33)
-
-
-def execute_wait_bound_s(environ=None) -> float:
-    """The longest the forward may wait for ring space inside a step: half of vLLM's execute
-    timeout in force (past it, MultiprocExecutor declares a tensor-parallel worker dead)."""
-    import os
-
-    env = os.environ if environ is None else environ
-    try:
-        timeout = float(env.get("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS") or EXECUTE_TIMEOUT_S)
-    except ValueError:
-        timeout = EXECUTE_TIMEOUT_S
-    return max(0.1, timeout / 2)
-
-
 class CaptureSink:
     """Owns the worker side of one run: staging, checks, encoding and the ShardWriter.
     chunk_rows, ring_bytes and hold_bytes come from the driver (capture_budget). A GPU stages

@@ -25,7 +25,7 @@ from vx.engine.contract import check_vllm_contract
 from vx.engine.defaults import check_tensor_parallel_pages
 from vx.engine.liveness import start_watched
 from vx.engine.logs import engine_output, vllm_log_path, without_tokenizer
-from vx.engine.plan import plan_capture_engine
+from vx.engine.plan_start import plan_capture_engine
 from vx.engine.vllm_engine import (
     engine_kwargs,
     prompt_ids,

@@ -15,6 +15,7 @@
    against the template's rendering of what it regenerated, its states against the HF reference
    (vx/pipeline/selftest_one_pass.py).
 One table on stdout; exit 0, or 1 naming the first sample and layer outside the bound.
+Over 300 lines: one command's stages in the order the table shows them, read top to bottom.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vx.data.samples import Sample
+from vx.engine.plan_start import describe_target
 from vx.errors import VxError
 
 CPU_STEP_TOKENS = 512  # on CPU a small step, so that short samples are chunked too
@@ -146,7 +148,7 @@ def _run(cfg: SelftestConfig, report: SelftestReport, on_gpu: bool, work: Path) 
     vx_s, engine = _run_vx(model_dir, layers, samples, info, out, common)
     report.row("engine", engine)
     if cfg.model:  # the real target's capture engine, planned by vLLM's functions from its config
-        report.row("target plan", _target_plan(cfg, on_gpu))
+        report.row("target plan", describe_target(cfg.model, cfg.tensor_parallel_size, not on_gpu))
     bare_s = _run_bare(model_dir, samples, work, common) if cfg.bench else None
     _compare(report, out, samples, model_dir, info)
     if cfg.one_pass:
@@ -204,20 +206,9 @@ def _run_vx(model_dir, layers, samples, info, out: Path, common: dict) -> tuple[
         raise VxError(f"selftest: vx rejected {len(rejected)} samples, first {rejected[0][0]!r}: {rejected[0][1]}")
     return wall, (f"{runner}, {graphs}, step {ex.max_num_batched_tokens:,} tokens, max_model_len "
                   f"{ex.max_model_len:,}, warm-up {ex.warmup_s:.1f}s; capture chunk {stats.get('chunk_rows'):,} "
-                  f"rows, hidden-state block {stats.get('hidden_block')} tokens, pinned ring "
-                  f"{stats.get('ring_bytes', 0) / 2**20:,.0f} MiB ({stats.get('ring_waits', 0)} waits, "
-                  f"{stats.get('ring_spills', 0)} spills), written from it "
+                  f"rows, hidden-state block {stats.get('hidden_block')} tokens, pinned ring {stats.get('ring_bytes', 0) / 2**20:,.0f}"
+                  f" MiB ({stats.get('ring_waits', 0)} waits, {stats.get('ring_spills', 0)} spills), written from it "
                   f"{_share(stats.get('zero_copy_rows', 0), stats.get('copied_rows', 0))}; {_device(meter.totals)}")
-
-
-def _target_plan(cfg: SelftestConfig, on_gpu: bool) -> str:
-    from vx.data.layers import default_layer_ids
-    from vx.data.model import model_info, resolve_model
-    from vx.engine.plan import describe_target
-
-    real = resolve_model(cfg.model)
-    n = len(default_layer_ids(model_info(real).num_layers))
-    return f"{n} layers, TP {cfg.tensor_parallel_size}, " + describe_target(real, n, cfg.tensor_parallel_size, not on_gpu)
 
 
 def _device(t: dict) -> str:
