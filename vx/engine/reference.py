@@ -130,13 +130,20 @@ class Reference:
         self._model = load_hf_model(model_dir, self.dtype, self.device)
         self._extractor = HFExtractor(self._model, self.layer_ids)
 
-    def check(self, sample_id: str, input_ids: list[int], states: torch.Tensor) -> list[dict]:
-        """states [T, L, H] as captured -> per layer {id, layer, cosine, max_abs_diff, rel_diff, ok}."""
+    def states(self, sample_id: str, input_ids: list[int]) -> torch.Tensor:
+        """The reference states of one sample: [T, L, H]."""
         from vx.data.samples import Sample
 
-        ref = self._extractor.extract([Sample(sample_id, 0, list(input_ids), [])])[0]  # [T, L, H]
+        return self._extractor.extract([Sample(sample_id, 0, list(input_ids), [])])[0]
+
+    def check(self, sample_id: str, input_ids: list[int], states: torch.Tensor, ref: torch.Tensor | None = None,
+              limit: Bound | None = None) -> list[dict]:
+        """states [T, L, H] as captured -> per layer {id, layer, cosine, max_abs_diff, rel_diff, ok}.
+        ref: the sample's states() when already computed; limit: another store dtype's bound."""
+        ref = self.states(sample_id, input_ids) if ref is None else ref  # [T, L, H]
+        limit = limit or self.bound
         return [{"id": sample_id, "layer": k, "cosine": cos, "max_abs_diff": diff, "rel_diff": rel,
-                 "ok": self.bound.ok(cos, rel)}
+                 "ok": limit.ok(cos, rel)}
                 for k, (cos, diff, rel) in zip(self.layer_ids, compare(states, ref))]
 
     def close(self) -> None:

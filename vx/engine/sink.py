@@ -17,6 +17,7 @@ work itself costs). Hidden states never cross vLLM's RPC.
 from __future__ import annotations
 
 import queue
+import time
 import threading
 from dataclasses import dataclass, field
 
@@ -92,7 +93,7 @@ class CaptureSink:
 
     def __init__(self, writer, store_dtype: str, device: torch.device, ring_bytes: int = 1 << 28,
                  chunk_rows: int = 8192, max_queued: int = 64, hold_bytes: int | None = None,
-                 staging: str = "auto"):
+                 staging: str = "auto", writer_hold_s: float = 0.0):
         if staging not in ("auto", "ring", "inline"):
             raise ValueError(f"staging must be auto, ring or inline, got {staging!r}")
         self.writer = writer
@@ -116,6 +117,9 @@ class CaptureSink:
         self._queue: queue.Queue = queue.Queue(maxsize=0 if ring else max_queued)
         self.wait_bound_s = execute_wait_bound_s()
         self._error: BaseException | None = None
+        self.intake_cpu_s = 0.0
+        self.writer_hold_s = float(writer_hold_s)  # vx selftest's backpressure stage: the intake
+        # starts once the forward has waited for ring space (at most this late), as behind a slow disk
         self._thread = threading.Thread(target=self._intake, name="vx-capture-intake", daemon=True)
         self._thread.start()
 
@@ -180,6 +184,9 @@ class CaptureSink:
 
     # ---- intake thread -------------------------------------------------------------------
     def _intake(self) -> None:
+        deadline = time.monotonic() + self.writer_hold_s
+        while self.writer_hold_s and self.ring_waits == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
         while (chunk := self._queue.get()) is not None:
             if chunk is FLUSH:
                 if self._error is None:
@@ -197,6 +204,7 @@ class CaptureSink:
                 self._error = e
                 self._drop_pending()
         self._drop_pending()
+        self.intake_cpu_s = time.thread_time()  # this thread's CPU seconds (vx selftest shows them)
 
     def _drop_pending(self) -> None:
         g, self._pending = self._pending, None

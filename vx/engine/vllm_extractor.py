@@ -106,14 +106,20 @@ class VllmExtractor:
     def run(self, samples: Iterable[Sample], out_dir: Path, shard_meta: dict, shard_bytes: int, next_shard: int,
             hidden_size: int, store_dtype: str, max_local_bytes: int | None = None, compress: str | None = None,
             on_done=None, on_reject=None,
-            max_in_flight: int | None = None) -> dict:
-        """Extract every sample into shards under out_dir. Returns the worker's stats."""
+            max_in_flight: int | None = None, backpressure_s: float = 0.0) -> dict:
+        """Extract every sample into shards under out_dir. Returns the worker's stats.
+        backpressure_s > 0 (vx selftest): the ring path on any device, the ring cut to the copies in
+        flight (no writer share) and the writer started that late, so the forward waits for space."""
         budget = capture_budget(self.max_num_batched_tokens, len(self.layer_ids), hidden_size, store_dtype,
-                                self.cache_dtype, shard_bytes=shard_bytes)
+                                self.cache_dtype, shard_bytes=0 if backpressure_s else shard_bytes)
+        stress = {}
+        if backpressure_s:
+            budget.update(ring_bytes=budget["ring_bytes"] - budget["hold_bytes"], hold_bytes=0)
+            stress = {"staging": "ring", "writer_hold_s": float(backpressure_s)}
         self.llm.collective_rpc("vx_begin", args=(str(out_dir), shard_meta, shard_bytes, next_shard,
                                                   len(self.layer_ids), hidden_size, store_dtype, max_local_bytes,
                                                   compress, budget["ring_bytes"], budget["chunk_rows"],
-                                                  budget["hold_bytes"]))
+                                                  budget["hold_bytes"]), kwargs=stress)
         cap = max_in_flight or 2 * self.max_num_seqs
         in_flight: dict[str, Sample] = {}
         self.in_flight = in_flight  # read by the run's meter (requests in the engine now)

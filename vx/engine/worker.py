@@ -20,10 +20,10 @@ class VxWorkerExtension:
     def vx_begin(self, out_dir: str, shard_meta: dict, shard_bytes: int, next_shard: int, layer_count: int,
                  hidden_size: int, store_dtype: str, max_local_bytes: int | None = None,
                  compress: str | None = None, ring_bytes: int = 1 << 28, chunk_rows: int = 8192,
-                 hold_bytes: int | None = None) -> None:
+                 hold_bytes: int | None = None, staging: str = "auto", writer_hold_s: float = 0.0) -> None:
         """Open a ShardWriter and attach it to the capture connector (rank 0 only). ring_bytes,
         chunk_rows and hold_bytes: the driver's capture_budget for this engine's step and shard
-        size (vx/engine/capture.py)."""
+        size (vx/engine/capture.py); staging and writer_hold_s: vx selftest's backpressure stage."""
         from vx.engine.sink import CaptureSink
         from vx.engine.connector import worker_connector
         from vx.engine.reaper import commit_guard
@@ -37,7 +37,8 @@ class VxWorkerExtension:
         writer = ShardWriter(Path(out_dir), shard_meta, shard_bytes, next_shard, layer_count, hidden_size,
                              store_dtype, max_local_bytes=max_local_bytes, compress=compress, guard=commit_guard())
         conn.sink = CaptureSink(writer, store_dtype, conn.kv_cache.device, ring_bytes=ring_bytes,
-                                chunk_rows=chunk_rows, hold_bytes=hold_bytes)
+                                chunk_rows=chunk_rows, hold_bytes=hold_bytes, staging=staging,
+                                writer_hold_s=writer_hold_s)
 
     def vx_watch_driver(self) -> bool:
         """Once the engine has started: this process ends if the driver dies (vx/engine/reaper.py),
@@ -77,7 +78,7 @@ class VxWorkerExtension:
                 "bytes": w.committed_bytes, "rejected": w.rejected, "peak_local_bytes": w.peak_local_bytes,
                 "ring_waits": sink.ring_waits, "ring_spills": sink.ring_spills, "ring_bytes": sink.ring_bytes, "chunk_rows": sink.chunk_rows,
                 "zero_copy_rows": sink.zero_copy_rows, "copied_rows": sink.copied_rows,
-                "hidden_block": conn.block_size}
+                "hidden_block": conn.block_size, "intake_cpu_s": sink.intake_cpu_s, "writer_cpu_s": w.thread_cpu_s}
 
     def vx_param_count(self, substring: str) -> int:
         """Parameters of the loaded model whose name contains `substring` (tests: no vision tower)."""

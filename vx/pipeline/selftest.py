@@ -11,7 +11,10 @@
    device (fp32 when it fits): per layer the worst cosine and max |diff|.
 5. Bare vLLM prefill of the same data on the same engine settings: tokens/s, vx's ratio, MFU
    where the device's peak is known.
-6. The one-pass mode (vx extract --regenerate) on a few conversations, sampled: its stored ids
+6. Backpressure and fp8, on the same engine: the samples again, stored fp8, through a ring cut to
+   the copies in flight with the writer started only once the forward has waited for space (a
+   slow disk or S3, compressed in time), every sample against the reference under fp8's bound.
+7. The one-pass mode (vx extract --regenerate) on a few conversations, sampled: its stored ids
    against the template's rendering of what it regenerated, its states against the HF reference
    (vx/pipeline/selftest_one_pass.py).
 One table on stdout; exit 0, or 1 naming the first sample and layer outside the bound.
@@ -32,6 +35,7 @@ from vx.data.samples import Sample
 from vx.engine.plan_start import describe_target
 from vx.errors import VxError
 
+WRITER_HOLD_S = 60.0  # the backpressure stage's writer starts once the ring is full, at most this late
 CPU_STEP_TOKENS = 512  # on CPU a small step, so that short samples are chunked too
 
 
@@ -145,12 +149,12 @@ def _run(cfg: SelftestConfig, report: SelftestReport, on_gpu: bool, work: Path) 
                   tensor_parallel_size=cfg.tensor_parallel_size, enforce_eager=cfg.enforce_eager,
                   vision_language=info.vision_language)
     out = work / "out"
-    vx_s, engine = _run_vx(model_dir, layers, samples, info, out, common)
+    vx_s, engine, stressed = _run_vx(model_dir, layers, samples, info, out, common, work / "backpressure")
     report.row("engine", engine)
     if cfg.model:  # the real target's capture engine, planned by vLLM's functions from its config
         report.row("target plan", describe_target(cfg.model, cfg.tensor_parallel_size, not on_gpu))
     bare_s = _run_bare(model_dir, samples, work, common) if cfg.bench else None
-    _compare(report, out, samples, model_dir, info)
+    _compare(report, out, work / "backpressure", stressed, samples, model_dir, info)
     if cfg.one_pass:
         from vx.pipeline.selftest_one_pass import check_one_pass
 
@@ -171,7 +175,8 @@ def _run(cfg: SelftestConfig, report: SelftestReport, on_gpu: bool, work: Path) 
                          total_s=time.perf_counter() - t0)
 
 
-def _run_vx(model_dir, layers, samples, info, out: Path, common: dict) -> tuple[float, str]:
+def _run_vx(model_dir, layers, samples, info, out: Path, common: dict,
+            stress_out: Path) -> tuple[float, str, dict]:
     from vx.engine.vllm_extractor import VllmExtractor
 
     out.mkdir(parents=True, exist_ok=True)
@@ -200,6 +205,11 @@ def _run_vx(model_dir, layers, samples, info, out: Path, common: dict) -> tuple[
         finally:
             ticker.stop()
         wall = time.perf_counter() - t
+        stress_out.mkdir(parents=True, exist_ok=True)
+        (stress_out / "vx.json").write_text(json.dumps(dict(meta, layer_ids=layers, hidden_size=info.hidden_size,
+                                                            num_layers=info.num_layers, store_dtype="fp8")))
+        stressed = ex.run(samples, stress_out, dict(meta, store_dtype="fp8"), 1 << 20, 0, info.hidden_size, "fp8",
+                          on_reject=lambda s, why: rejected.append((s.id, why)), backpressure_s=WRITER_HOLD_S)
     finally:
         ex.close()
     if rejected:
@@ -208,7 +218,9 @@ def _run_vx(model_dir, layers, samples, info, out: Path, common: dict) -> tuple[
                   f"{ex.max_model_len:,}, warm-up {ex.warmup_s:.1f}s; capture chunk {stats.get('chunk_rows'):,} "
                   f"rows, hidden-state block {stats.get('hidden_block')} tokens, pinned ring {stats.get('ring_bytes', 0) / 2**20:,.0f}"
                   f" MiB ({stats.get('ring_waits', 0)} waits, {stats.get('ring_spills', 0)} spills), written from it "
-                  f"{_share(stats.get('zero_copy_rows', 0), stats.get('copied_rows', 0))}; {_device(meter.totals)}")
+                  f"{_share(stats.get('zero_copy_rows', 0), stats.get('copied_rows', 0))}; capture threads' CPU "
+                  f"{stats.get('intake_cpu_s', 0):.2f}s intake + {stats.get('writer_cpu_s', 0):.2f}s writer over "
+                  f"{wall:.1f}s; {_device(meter.totals)}"), stressed
 
 
 def _device(t: dict) -> str:
@@ -268,37 +280,63 @@ def _run_bare(model_dir, samples, work: Path, common: dict) -> float:
         reaper.stop()
 
 
-def _compare(report: SelftestReport, out: Path, samples, model_dir, info) -> None:
-    """Every sample against the HF reference on this device; per layer the worst."""
-    from vx.engine.reference import Reference
+def _check(outs: list[tuple[Path, str]], samples, model_dir, info) -> tuple[list[tuple[list, list, object]], str]:
+    """Every sample stored under each (output, store dtype) against one HF reference forward on
+    this device. Returns per output (per layer the worst, one line per failure, the bound) and
+    the reference's description."""
+    from vx.engine.reference import Reference, bound
     from vx.store.reader import open_dataset
 
-    ds = open_dataset(out)
-    stored = set(ds.ids)
-    missing = sorted({s.id for s in samples} - stored)
-    if missing:
-        report.failures.append(f"{len(missing)} samples missing from the output, first {missing[0]!r}")
-    ref = Reference(model_dir, ds.layer_ids, info.model_type)
-    limit = ref.bound
-    worst = {k: {"layer": k, "min_cosine": 1.0, "max_rel_diff": 0.0, "worst_sample": None} for k in ds.layer_ids}
+    dss = [open_dataset(out) for out, _ in outs]
+    ref = Reference(model_dir, dss[0].layer_ids, info.model_type)
+    results = []
+    for ds, (_, dtype) in zip(dss, outs):
+        missing = sorted({s.id for s in samples} - set(ds.ids))
+        worst = {k: {"layer": k, "min_cosine": 1.0, "max_rel_diff": 0.0, "worst_sample": None} for k in ds.layer_ids}
+        results.append((worst, [f"{len(missing)} samples missing from the output, first {missing[0]!r}"] if missing
+                        else [], bound(info.model_type, ref.dtype, dtype), set(ds.ids)))
     for s in samples:
-        if s.id not in stored:
-            continue
-        item = ds[s.id]
-        if item["input_ids"].tolist() != s.input_ids:
-            report.failures.append(f"sample {s.id!r}: stored token ids differ from the submitted ones")
-            continue
-        for r in ref.check(s.id, s.input_ids, item["hidden_states"]):
-            w = worst[r["layer"]]
-            if r["cosine"] < w["min_cosine"]:
-                w.update(min_cosine=r["cosine"], worst_sample=s.id)
-            w["max_rel_diff"] = max(w["max_rel_diff"], r["rel_diff"])
-            if not r["ok"]:
-                report.failures.append(f"sample {s.id!r} layer {r['layer']}: cosine {r['cosine']:.6f}, max |diff| "
-                                       f"{r['rel_diff']:.3g} x max |ref| (bound: cosine >= {limit.min_cosine}, "
-                                       f"max |diff| <= {limit.max_rel_diff} x max |ref|)")
+        states = None
+        for ds, (worst, failures, limit, stored) in zip(dss, results):
+            if s.id not in stored:
+                continue
+            item = ds[s.id]
+            if item["input_ids"].tolist() != s.input_ids:
+                failures.append(f"sample {s.id!r}: stored token ids differ from the submitted ones")
+                continue
+            states = ref.states(s.id, s.input_ids) if states is None else states
+            for r in ref.check(s.id, s.input_ids, item["hidden_states"], ref=states, limit=limit):
+                w = worst[r["layer"]]
+                if r["cosine"] < w["min_cosine"]:
+                    w.update(min_cosine=r["cosine"], worst_sample=s.id)
+                w["max_rel_diff"] = max(w["max_rel_diff"], r["rel_diff"])
+                if not r["ok"]:
+                    failures.append(f"sample {s.id!r} layer {r['layer']}: cosine {r['cosine']:.6f}, max |diff| "
+                                    f"{r['rel_diff']:.3g} x max |ref| (bound: cosine >= {limit.min_cosine}, "
+                                    f"max |diff| <= {limit.max_rel_diff} x max |ref|)")
     ref.close()
-    report.layers = list(worst.values())
-    report.row("reference", f"HF {ref.why}")
+    return [(list(w.values()), f, lim) for w, f, lim, _ in results], ref.why
+
+
+def _compare(report: SelftestReport, out: Path, stressed_out: Path, stressed: dict, samples, model_dir,
+             info) -> None:
+    """Every sample of both runs (bf16; fp8 through a full ring) against the HF reference on this
+    device; per layer the worst. The fp8 run's forward must have waited for ring space, or the
+    stage proved nothing."""
+    ((report.layers, failures, limit), (worst, fp8_failures, fp8)), why = _check(
+        [(out, "bf16"), (stressed_out, "fp8")], samples, model_dir, info)
+    report.failures += failures + [f"fp8 through a full ring: {f}" for f in fp8_failures]
+    report.row("reference", f"HF {why}")
     report.row("bound", f"per sample and layer: cosine >= {limit.min_cosine}, max |diff| <= {limit.max_rel_diff} "
                         "x max |ref|")
+    waits, spills = stressed.get("ring_waits", 0), stressed.get("ring_spills", 0)
+    if not waits:
+        report.failures.append("fp8 through a full ring: the ring never filled (the forward never waited), so the "
+                               "backpressure path went untested; rerun with more --samples")
+    cos, diff = min(w["min_cosine"] for w in worst), max(w["max_rel_diff"] for w in worst)
+    report.row("backpressure", f"fp8 through a {stressed.get('ring_bytes', 0) / 2**20:,.1f} MiB ring (the copies in "
+                               f"flight only), the writer started once it was full: {waits} waits, {spills} spills; "
+                               f"worst cosine {cos:.6f}, max |diff| {diff:.3g} x max |ref| (fp8 bound: cosine >= "
+                               f"{fp8.min_cosine}, max |diff| <= {fp8.max_rel_diff})")
+    report.result.update(backpressure={"ring_bytes": stressed.get("ring_bytes", 0), "ring_waits": waits,
+                                       "ring_spills": spills, "min_cosine": cos, "max_rel_diff": diff})

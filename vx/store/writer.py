@@ -11,6 +11,7 @@ import json
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,6 +97,7 @@ class ShardWriter:
         self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._error: BaseException | None = None
         self._closed = False
+        self.thread_cpu_s = 0.0
         self._thread = threading.Thread(target=self._run, name="vx-shard-writer", daemon=True)
         self._thread.start()
 
@@ -202,6 +204,7 @@ class ShardWriter:
         while True:
             shard = self._queue.get()
             if shard is None:
+                self.thread_cpu_s = time.thread_time()  # this thread's CPU seconds (vx selftest shows them)
                 return
             if self._error is not None:
                 shard.drop_holds()
