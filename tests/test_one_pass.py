@@ -363,3 +363,45 @@ def test_a_followed_input_yields_committed_rows_only_and_after_its_end_when_aske
     assert ids(True, 3) == ["PENDING"] * 3                             # after the end: nothing before it
     done["now"] = True
     assert ids(True) == ["a", "b"]  # the writer is done: every committed row, then the input ends
+
+
+def test_beside_a_starting_capture_engine_the_regeneration_keeps_its_engine_until_that_start_is_over():
+    """vLLM fails an engine whose free device memory rises while it profiles (0.33's
+    determine_available_memory, "Error in memory profiling"). Where the capture's engine starts
+    beside the generation (a GPU), the regeneration, every conversation committed, waits before
+    stopping its engine for the driver's word that the capture's engine has started ("go", said
+    by Regeneration.release() from the capture's started callback), or for the driver's end;
+    held (CPU), for the capture's end. Over a real pipe, in the order the driver writes."""
+    import os
+    import threading
+
+    from vx.pipeline.regeneration import before_stop
+
+    def waits_until(hold, keep, lines: list[str], close: bool) -> list[str]:
+        r, w = os.pipe()
+        stdin, writer = os.fdopen(r), os.fdopen(w, "w")
+        order, wait = [], before_stop(hold, keep, stdin)
+        t = threading.Thread(target=lambda: (wait(), order.append("engine stops")))
+        t.start()
+        for line in lines:
+            t.join(0.3)  # a waiting engine does not stop before the driver's next word
+            order.append(f"driver says {line!r}")
+            writer.write(line + "\n")
+            writer.flush()
+        t.join(0.3)
+        if close:
+            order.append("driver ends")
+            writer.close()
+        t.join(60)
+        assert not t.is_alive()
+        stdin.close()
+        return order
+
+    assert before_stop(False, False, None) is None  # nothing beside it: it stops at once
+    # kept: the max_model_len line changes nothing, "go" (the capture's engine started) releases it
+    assert waits_until(False, True, ["1040", "go"], close=False) == [
+        "driver says '1040'", "driver says 'go'", "engine stops"]
+    # a driver that ends (stopped, or a capture with nothing to do) releases it too
+    assert waits_until(False, True, [], close=True) == ["driver ends", "engine stops"]
+    # held: "go" starts the generation; the engine stops only at the capture's end
+    assert waits_until(True, False, ["go"], close=True) == ["driver says 'go'", "driver ends", "engine stops"]

@@ -40,7 +40,7 @@ def extract(
     max_num_batched_tokens: Annotated[Optional[int], typer.Option(help="vllm: tokens per engine step.")] = None,
     max_num_seqs: Annotated[Optional[int], typer.Option(help="vllm: requests per engine step.")] = None,
     max_model_len: Annotated[Optional[int], typer.Option(help="vllm: the engine's longest request in tokens. Default: the longest sample this run submits + 1, rounded up to a whole block of the hidden-state cache (vx plans the engine's memory with vLLM's planner before loading weights; the summary's 'memory plan' line). The model's 262,144 would reserve capture memory no request uses, and stops vLLM where one such request does not fit.")] = None,
-    gpu_memory_utilization: Annotated[Optional[float], typer.Option(help="vllm: fraction of GPU memory (of host memory on CPU) for the engine. Default 0.9 on GPU, 0.3 on CPU.")] = None,
+    gpu_memory_utilization: Annotated[Optional[float], typer.Option(help="vllm: fraction of GPU memory (of host memory on CPU) for the engine. Default 0.9 on GPU, 0.3 on CPU. With --regenerate it applies to each of the two engines (default 0.45 each on a GPU).")] = None,
     tensor_parallel_size: Annotated[int, typer.Option(help="vllm: GPUs per engine.")] = 1,
     enforce_eager: Annotated[Optional[bool], typer.Option("--enforce-eager/--no-enforce-eager", help="vllm: --enforce-eager runs without torch.compile and CUDA graphs; --no-enforce-eager compiles. Default: compiled on GPU, eager on CPU (faster there, see docs/performance.md).")] = None,
     upload: Annotated[Optional[str], typer.Option(help="Mirror committed shards to s3://bucket/prefix (or give -o s3://...).")] = None,

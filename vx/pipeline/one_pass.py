@@ -40,7 +40,7 @@ from vx.device import cuda_available
 from vx.engine.fast_exit import in_spawned_child
 from vx.errors import UsageError, VxError, raise_if_stopped
 from vx.pipeline.regenerated_text import merge_when_complete, text_in_s3
-from vx.pipeline.regeneration import LATER, Regeneration
+from vx.pipeline.regeneration import LATER, Regeneration, before_stop
 from vx.regenerate.output import looks_finished, merge_leftover_parts
 from vx.store.format import GENERATION, REGENERATED
 
@@ -222,7 +222,9 @@ def run_one_pass(cfg, progress: bool | None = None, reporter=None):
     # the child first: its imports and engine start are the critical path, the plan below is not
     # on CPU it generates once vx's engine has started (an hf capture has no engine start to wait for)
     log = out / "logs" / (f"regenerate-{followed.stem}.log" if cfg.partitioned else "regenerate.log")
-    regen = Regeneration(regen_config(cfg), gen_env, log, hold=after_end and cfg.backend != "hf")
+    # keep: the capture's engine starts beside the generation (GPU), which keeps its memory until then
+    regen = Regeneration(regen_config(cfg), gen_env, log, hold=after_end and cfg.backend != "hf",
+                         keep=not after_end and cfg.backend != "hf")
     cores, env = os.sched_getaffinity(0), dict(os.environ)  # given back after: a caller in this process keeps its own
     try:
         if not cfg.max_model_len:
@@ -270,7 +272,7 @@ def main(argv: list[str]) -> int:
     from vx.regenerate.run import run_regenerate
 
     def run(d: dict, events):
-        hold = d.pop("hold", False)
+        hold, keep = d.pop("hold", False), d.pop("keep", False)
         if d["max_model_len"] == LATER:  # import the engine's modules while the driver plans, then ask
             from vx.regenerate.engine import preload
 
@@ -285,11 +287,8 @@ def main(argv: list[str]) -> int:
             if hold and sys.stdin.readline().strip() != "go":
                 raise VxError("the one-pass driver stopped before the generation could start")
 
-        def until_captured():  # held: the engine idles until the capture is done (its stdin closed),
-            sys.stdin.read()  # so its stop's work (~2 s of a core) never slows the capture's threads
-
         return run_regenerate(RegenConfig(**d), reporter=events, ready=ready,
-                              before_stop=until_captured if hold else None)
+                              before_stop=before_stop(hold, keep, sys.stdin))
 
     return run_partition_worker(argv, run)
 

@@ -3,8 +3,9 @@
 
 On its stdin: the engine's max_model_len when the driver computed it while the child imported
 vLLM (LATER), then "go" when the driver holds it (CPU: the generation starts once the capture's
-engine has), then its end (a held child stops its engine once the capture is done: CPU, where
-the capture follows the generation's end and would share the cores with that stop). On its
+engine has; a kept child: the capture's engine has started, so its own engine may stop), then its
+end (a held child stops its engine once the capture is done: CPU, where the capture follows the
+generation's end and would share the cores with that stop). On its
 stdout, JSON events: "ready" (its engine started), "committed" (every conversation fsynced; its
 engine may still be stopping), "summary".
 """
@@ -29,10 +30,12 @@ class Regeneration:
     """The child process that regenerates into OUT/regenerated.jsonl (its own process group, dying
     with this process); finished() for the following input: True once it exited 0, raising if it failed."""
 
-    def __init__(self, conf: dict, env: dict[str, str], log: Path, hold: bool = False):
+    def __init__(self, conf: dict, env: dict[str, str], log: Path, hold: bool = False, keep: bool = False):
         self.log = log
         full = dict(os.environ, **env, VX_PARENT_PID=str(os.getpid()))
-        conf = dict(conf, hold=hold)  # hold: its engine started, it waits for release()
+        # hold: its engine started, it waits for release(); keep: it generates at once, but its engine
+        # stops only after release() (the capture's engine has started) or done()
+        conf = dict(conf, hold=hold, keep=keep)
         if not conf["max_model_len"]:
             conf["max_model_len"] = LATER  # sent by send_max_model_len(), while the child imports
         # its own process group (stop() signals it whole; a terminal's Ctrl-C reaches this process only)
@@ -130,3 +133,21 @@ class Regeneration:
                 return
             except subprocess.TimeoutExpired:
                 continue
+
+
+def before_stop(hold: bool, keep: bool, stdin):
+    """What the regeneration's engine waits for once every conversation is committed, before it
+    stops. held (CPU): the capture's end (stdin closed), so its stop's work (~2 s of a core) never
+    slows the capture's threads. keep (the capture's engine starting beside the generation, as on
+    a GPU): the capture's engine started ("go", or stdin closed), since vLLM fails an engine whose
+    free device memory rises while it profiles (0.33 gpu_worker.determine_available_memory:
+    "Error in memory profiling"), which this engine's stop would cause."""
+    if hold:
+        return stdin.read
+    if keep:
+        def until_started():
+            for line in stdin:
+                if line.strip() == "go":
+                    return
+        return until_started
+    return None
