@@ -111,9 +111,9 @@ class VllmExtractor:
         backpressure_s > 0 (vx selftest): the ring path on any device, the ring cut to the copies in
         flight (no writer share) and the writer started that late, so the forward waits for space."""
         budget = capture_budget(self.max_num_batched_tokens, len(self.layer_ids), hidden_size, store_dtype,
-                                self.cache_dtype, shard_bytes=0 if backpressure_s else shard_bytes)
+                                self.cache_dtype, shard_bytes=shard_bytes)
         stress = {}
-        if backpressure_s:
+        if backpressure_s:  # ring_bytes - hold_bytes: the copies in flight, whatever the shard size
             budget.update(ring_bytes=budget["ring_bytes"] - budget["hold_bytes"], hold_bytes=0)
             stress = {"staging": "ring", "writer_hold_s": float(backpressure_s)}
         self.llm.collective_rpc("vx_begin", args=(str(out_dir), shard_meta, shard_bytes, next_shard,

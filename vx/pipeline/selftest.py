@@ -187,10 +187,16 @@ def _run_vx(model_dir, layers, samples, info, out: Path, common: dict,
         graphs = "eager" if ex.enforce_eager else "compiled, CUDA graphs" if config.device_config.device_type == "cuda" \
             else "compiled"
         rejected: list = []
-        meta = {"model": str(model_dir), "layer_ids": json.dumps(layers), "store_dtype": "bf16",
-                "model_type": info.model_type, "format": "vx-1"}
-        (out / "vx.json").write_text(json.dumps(dict(meta, layer_ids=layers, hidden_size=info.hidden_size,
-                                                     num_layers=info.num_layers)))
+
+        def output(path: Path, store_dtype: str) -> dict:  # an output's vx.json; its shards' metadata
+            meta = {"model": str(model_dir), "layer_ids": json.dumps(layers), "store_dtype": store_dtype,
+                    "model_type": info.model_type, "format": "vx-1"}
+            path.mkdir(parents=True, exist_ok=True)
+            (path / "vx.json").write_text(json.dumps(dict(meta, layer_ids=layers, hidden_size=info.hidden_size,
+                                                          num_layers=info.num_layers)))
+            return meta
+
+        meta = output(out, "bf16")
         from vx.monitor.meter import Meter, Ticker
         from vx.monitor.probe import DeviceProbe
 
@@ -205,10 +211,7 @@ def _run_vx(model_dir, layers, samples, info, out: Path, common: dict,
         finally:
             ticker.stop()
         wall = time.perf_counter() - t
-        stress_out.mkdir(parents=True, exist_ok=True)
-        (stress_out / "vx.json").write_text(json.dumps(dict(meta, layer_ids=layers, hidden_size=info.hidden_size,
-                                                            num_layers=info.num_layers, store_dtype="fp8")))
-        stressed = ex.run(samples, stress_out, dict(meta, store_dtype="fp8"), 1 << 20, 0, info.hidden_size, "fp8",
+        stressed = ex.run(samples, stress_out, output(stress_out, "fp8"), 1 << 20, 0, info.hidden_size, "fp8",
                           on_reject=lambda s, why: rejected.append((s.id, why)), backpressure_s=WRITER_HOLD_S)
     finally:
         ex.close()
