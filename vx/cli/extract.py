@@ -31,7 +31,7 @@ def extract(
     id_field: Annotated[str, typer.Option(help="Record field holding the sample id (default when absent: the row number).")] = "id",
     chat_template: Annotated[Optional[str], typer.Option(help="Jinja chat template file to use instead of the tokenizer's.")] = None,
     chat_template_kwargs: Annotated[Optional[str], typer.Option(help='JSON object passed to the chat template, e.g. \'{"enable_thinking": false}\' (Qwen3 thinking off).')] = None,
-    dtype: Annotated[str, typer.Option(help="Compute dtype: auto (the checkpoint's), bfloat16, float16, float32.")] = "auto",
+    dtype: Annotated[str, typer.Option(help="Compute dtype: auto (the checkpoint's; with --backend hf on a CPU without bf16 instructions, float32), bfloat16, float16, float32.")] = "auto",
     store_dtype: Annotated[str, typer.Option(help="Stored hidden-state dtype: bf16, fp16, fp32, fp8 (e4m3 + a float32 scale per token per layer; the reader dequantizes).")] = "bf16",
     shard_size: Annotated[float, typer.Option(help="Target shard size in MB.")] = 1024.0,
     strict: Annotated[bool, typer.Option(help="Any bad dataset line is fatal, checked before any compute.")] = False,
