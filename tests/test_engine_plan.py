@@ -145,3 +145,35 @@ def test_a_max_model_len_that_cannot_fit_stops_before_any_weight_loads(tmp_path)
                        attention_block=gpu_attention_block(config))
     with pytest.raises(UsageError, match="cannot start.*--max-model-len.*--tensor-parallel-size"):
         check_fits(plan, 1)
+
+
+@pytest.mark.parametrize("gpu,name,spec,tp,fits", [
+    ("H200", "27B", QWEN36_27B, 1, True), ("H100", "27B", QWEN36_27B, 1, False), ("H100", "27B", QWEN36_27B, 2, True),
+    ("H100", "4B", QWEN35_4B, 1, True), ("RTX PRO 6000", "35B-A3B", QWEN36_35B_A3B, 2, True)])
+def test_the_one_pass_mode_splits_one_gpus_memory_between_its_engines_or_refuses_in_one_line(
+        tmp_path, gpu, name, spec, tp, fits):
+    """--regenerate on a GPU: one --gpu-memory-utilization (0.9) for the whole device, shared by the
+    generation and the capture, each with its copy of the weights and 4 GB for activations: the two
+    shares sum to it, each holds at least one request of max_model_len beside its weights, and the
+    capture keeps a full 8,192-token step (and the finished requests held beside it) where half the
+    room allows. Where two copies of the weights leave no such room: one line naming the remedies."""
+    from vx.engine.plan_start import GPU_RESERVE, split_gpu
+
+    config = engine_config(write_config(tmp_path, spec), tp, 3301 + 16)
+    plan = plan_engine(config, 5, spec["hidden_size"], attention_block=gpu_attention_block(config))
+    total, weights = GPUS[gpu], spec["weights_gb"] * 1e9 / tp
+    one = (plan.blocks_for(plan.max_model_len) + 1) * expected(spec, tp)["bytes_per_block"]
+    if not fits:
+        with pytest.raises(UsageError, match="two engines.*--tensor-parallel-size.*vx regenerate") as e:
+            split_gpu(total, 0.9, weights, plan, STEP, MEAN, tp)
+        assert "\n" not in str(e.value)
+        return
+    s = split_gpu(total, 0.9, weights, plan, STEP, MEAN, tp)
+    assert 0.899 <= s.regeneration + s.capture <= 0.9
+    for share in (s.regeneration, s.capture):  # what vLLM gives each engine's KV cache, by its own rule
+        assert share * total - weights - GPU_RESERVE >= one * 0.999
+    capture_kv = s.capture * total - weights - GPU_RESERVE
+    room = 0.9 * total - 2 * (weights + GPU_RESERVE)
+    step_blocks = 2 * math.ceil(STEP / MEAN) * plan.blocks_for(MEAN)
+    assert capture_kv >= min(step_blocks * plan.bytes_per_block, room / 2) * 0.999
+    assert f"regeneration {s.regeneration}, capture {s.capture}" in s.line

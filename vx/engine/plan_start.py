@@ -1,11 +1,21 @@
 """The capture engine's plan at its start (vx/engine/plan.py makes it): the driver's plan before the
 engine starts, the one-line refusal where one request of max_model_len cannot fit beside the
-weights, and `vx selftest --model`'s line for the real target.
+weights, the one-pass mode's split of one GPU between its two engines, and `vx selftest --model`'s
+line for the real target.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 from vx.engine.plan import EnginePlan, plan_engine
+
+# Per engine, beside its weights and KV cache: activations at a full step, CUDA graphs, NCCL and the
+# CUDA context. An estimate (vLLM measures its own as it starts and fails there if it was short).
+GPU_RESERVE = 4 * 10**9
+PLANNED_LENGTH = 4096  # the longest sample `vx selftest` plans a real target's engine for
+MEAN_SAMPLE = 335      # the tokens of an average chat sample (the line's in-flight figure)
 
 def check_fits(plan: EnginePlan, tensor_parallel_size: int) -> None:
     """Stop before any weight loads, in one line, where vLLM cannot place even one request of
@@ -24,17 +34,95 @@ def check_fits(plan: EnginePlan, tensor_parallel_size: int) -> None:
             f"--tensor-parallel-size (now {tensor_parallel_size}) or --gpu-memory-utilization, or capture fewer --layers")
 
 
+@dataclass
+class GpuSplit:
+    regeneration: float  # each engine's --gpu-memory-utilization, summing to the user's
+    capture: float
+    line: str
+
+
+def split_gpu(total: float, utilization: float, weight_bytes: float, plan: EnginePlan, step_tokens: int,
+              mean_tokens: int = MEAN_SAMPLE, tensor_parallel_size: int = 1) -> GpuSplit:
+    """One GPU's --gpu-memory-utilization shared by the one-pass mode's two engines, each holding a
+    copy of the weights (weight_bytes: this rank's share): the capture gets the KV blocks its plan
+    needs to keep a full step in flight (the step's requests, and as many finished ones whose blocks
+    the connector still holds), at least one request of max_model_len and at most half the room;
+    the generation the rest, at least one request of max_model_len. Raises UsageError, in one line,
+    where the two cannot both start."""
+    from vx.errors import UsageError
+
+    per_engine = weight_bytes + GPU_RESERVE
+    room = total * utilization - 2 * per_engine
+    one = (plan.blocks_for(plan.max_model_len) + 1) * plan.bytes_per_block  # + vLLM's null block
+    requests = 2 * math.ceil(step_tokens / mean_tokens)
+    full = (requests * plan.blocks_for(mean_tokens) + 1) * plan.bytes_per_block
+    capture_kv = max(one, min(full, room / 2))
+    if room - capture_kv < one:
+        raise UsageError(
+            f"--regenerate runs two engines on each GPU, each with the weights ({weight_bytes / 1e9:,.1f} GB per GPU) "
+            f"and {GPU_RESERVE / 1e9:,.0f} GB for activations: at --gpu-memory-utilization {utilization} of "
+            f"{total / 1e9:,.0f} GB they leave {max(room, 0) / 1e9:,.1f} GB, and each needs "
+            f"{one / 1e9:,.1f} GB for one request of max_model_len {plan.max_model_len:,}; raise "
+            f"--tensor-parallel-size (now {tensor_parallel_size}) or --gpu-memory-utilization, lower --max-model-len, "
+            f"or run `vx regenerate` and `vx extract` one after the other")
+    capture = math.floor((per_engine + capture_kv) / total * 1000) / 1000
+    regeneration = math.floor((utilization - capture) * 1000) / 1000
+    line = (f"one GPU, two engines: --gpu-memory-utilization {utilization} split as regeneration {regeneration}, "
+            f"capture {capture} (weights {weight_bytes / 1e9:,.1f} GB each; capture KV {capture_kv / 1e9:,.1f} GB: "
+            f"{(capture_kv // plan.bytes_per_block - 1) // plan.blocks_for(mean_tokens):,.0f} requests of {mean_tokens} "
+            f"tokens in flight, of the {requests:,} a full {step_tokens:,}-token step and its finished ones hold)")
+    return GpuSplit(regeneration, capture, line)
+
+
+def gpu_shares(model: str, layers, max_model_len: int, utilization: float | None, tensor_parallel_size: int,
+               step_tokens: int | None) -> tuple[float, float] | None:
+    """The one-pass mode's (regeneration, capture) --gpu-memory-utilization: split_gpu (of 0.9 where
+    none is given) for the capture engine the driver will start, from its plan (vLLM's own config
+    and planner, no weights) and this GPU's memory, its line on stderr; None off an NVML-visible GPU."""
+    import sys
+
+    from pathlib import Path
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+
+    from vx.data.layers import resolve_layer_ids
+    from vx.data.model import model_info, resolve_model
+    from vx.engine.defaults import default_budget
+    from vx.engine.vllm_engine import engine_kwargs
+
+    if type(current_platform).__name__ != "NvmlCudaPlatform":
+        return None
+    utilization = utilization or 0.9
+    model_dir = resolve_model(model)
+    layer_ids = resolve_layer_ids(layers, model_info(model_dir).num_layers)
+    kwargs = engine_kwargs(Path(model_dir), layer_ids, on_cpu=False, max_model_len=max_model_len,
+                           gpu_memory_utilization=utilization, tensor_parallel_size=tensor_parallel_size)
+    config = EngineArgs(**kwargs).create_engine_config()
+    plan = plan_engine(config, len(layer_ids), int(config.model_config.hf_text_config.hidden_size))
+    weights = weight_bytes(model_dir) / tensor_parallel_size
+    split = split_gpu(current_platform.get_device_total_memory(0), utilization, weights, plan,
+                      default_budget(step_tokens, None)[0], MEAN_SAMPLE, tensor_parallel_size)
+    print(f"vx: {split.line}", file=sys.stderr)
+    return split.regeneration, split.capture
+
+
+def weight_bytes(model_dir) -> int:
+    """The checkpoint's weights on disk (every rank's together)."""
+    from pathlib import Path
+
+    return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+
+
 def _gpu_bytes_beside_weights(config, model_dir) -> int | None:
     """A GPU's memory at the engine's utilization less this rank's share of the weights, or None
     off an NVML-visible GPU (the query must not initialise CUDA before vLLM forks)."""
-    from pathlib import Path
-
     from vllm.platforms import current_platform
 
     if type(current_platform).__name__ != "NvmlCudaPlatform":
         return None
     total = current_platform.get_device_total_memory(0)
-    weights = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+    weights = weight_bytes(model_dir)
     tp = config.parallel_config.tensor_parallel_size
     return int(total * config.cache_config.gpu_memory_utilization - weights / tp)
 
@@ -61,8 +149,6 @@ def plan_capture_engine(kwargs: dict, layer_count: int) -> tuple[dict, EnginePla
     return kwargs, plan
 
 
-PLANNED_LENGTH = 4096  # the longest sample `vx selftest` plans a real target's engine for
-MEAN_SAMPLE = 335      # the tokens of an average chat sample (the line's in-flight figure)
 
 
 def describe_target(model: str, tensor_parallel_size: int, on_cpu: bool) -> str:

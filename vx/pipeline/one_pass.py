@@ -4,20 +4,16 @@ the final conversations' states, in one command and one run.
 The regeneration runs on a plain engine (`vx regenerate`'s, in a child process of this one,
 started first: its imports overlap this process's plan) and the capture on vx's engine here. On a
 GPU vx's engine starts once the regeneration's has (vLLM sizes its KV cache from the device's free
-memory, which another engine starting beside it changes), then prefills each conversation as soon
-as the regeneration has committed it, following OUT/regenerated.jsonl (vx/data/follow.py), so
-generation and capture overlap on the device, each engine at its own --gpu-memory-utilization
-(default 0.45 each). On CPU both engines start at once on every core, the regeneration generates
-once vx's engine has started (an engine starting beside the generation slowed it by ~30%), and
-the capture starts once every conversation is committed: two engines computing at once on the
-same cores stall each other's OpenMP threads (generation ran at about half speed beside a
-following capture, bench/one_pass.py). The regeneration's engine then idles until the capture
-is done and stops beside vx's engine (its stop, ~2 s of a core, made the capture ~1.3 s longer
-beside it). On CPU the saving is the second engine's start, made beside the first's. Why not
-capture during generation on one engine: vLLM's extract_hidden_states method, the contract vx's
-capture rides, schedules a draft position per request per decode step, which made generation
-0.22-0.28x as fast on CPU and would halve a 27B target's batch on an H200 (docs/performance.md,
-capture during generation).
+memory), then prefills each conversation as soon as it is committed, following
+OUT/regenerated.jsonl (vx/data/follow.py): generation and capture overlap, one
+--gpu-memory-utilization split between the engines by the capture's plan (plan_start.gpu_shares).
+On CPU both engines start at once, the generation once vx's engine has started (an engine starting
+beside it slowed it by ~30%), and the capture once every conversation is committed: two engines
+computing on the same cores stall each other's OpenMP threads (bench/one_pass.py). The
+regeneration's engine idles until the capture is done and stops beside vx's (its stop made the
+capture ~1.3 s longer beside it). Why not capture during generation on one engine: vLLM's
+extract_hidden_states method schedules a draft position per request per decode step: generation
+0.22-0.28x as fast on CPU, a 27B target's batch halved on an H200 (docs/performance.md).
 The stored rows are the chat template's rendering of each regenerated conversation, tokenized:
 exactly what `vx extract OUT/regenerated.jsonl` would store.
 
@@ -37,6 +33,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from vx.device import cuda_available
+from vx.engine.plan_start import gpu_shares
 from vx.engine.fast_exit import in_spawned_child
 from vx.errors import UsageError, VxError, raise_if_stopped
 from vx.pipeline.regenerated_text import merge_when_complete, text_in_s3
@@ -46,7 +43,7 @@ from vx.store.format import GENERATION, REGENERATED
 
 in_spawned_child()  # the regeneration's engine core and worker import this module first: their quick exit
 
-GPU_SHARE = 0.45  # each engine's default --gpu-memory-utilization when both share a GPU
+GPU_SHARE = 0.45  # each engine's default --gpu-memory-utilization beside an hf capture (or no plan)
 
 
 def regen_config(cfg) -> dict:
@@ -110,8 +107,7 @@ def check_rerun(cfg, out: Path) -> None:
     from vx.data.generation import generation_json
     from vx.store.lock import write_atomically
 
-    opts = dict(generation_json(cfg), **{k: getattr(cfg, k) for k in ("chat_template", "chat_template_kwargs",
-                                                                        "model")})
+    opts = dict(generation_json(cfg), **{k: getattr(cfg, k) for k in ("chat_template", "chat_template_kwargs", "model")})
     path = out / GENERATION
     if cfg.overwrite:
         import shutil
@@ -154,8 +150,7 @@ def cpu_layout() -> tuple[tuple[list[int], list[int]] | None, bool]:
     if os.environ.get("VX_ONE_PASS_CORES") != "split":
         return None, True
     cores = sorted(os.sched_getaffinity(0))
-    half = max(1, len(cores) // 2)
-    return (cores[:half], cores[half:] or cores), False
+    return (cores[:max(1, len(cores) // 2)], cores[max(1, len(cores) // 2):] or cores), False
 
 
 def reversed_binding(tensor_parallel_size: int) -> dict[str, str]:
@@ -177,8 +172,8 @@ def reversed_binding(tensor_parallel_size: int) -> dict[str, str]:
 
 
 def pin_env(cores: list[int]) -> dict[str, str]:
-    return {"VX_CPU_CORES": ",".join(map(str, cores)), "OMP_NUM_THREADS": str(len(cores)),
-            "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))}
+    c = ",".join(map(str, cores))
+    return {"VX_CPU_CORES": c, "OMP_NUM_THREADS": str(len(cores)), "VLLM_CPU_OMP_THREADS_BIND": c}
 
 
 def run_one_pass(cfg, progress: bool | None = None, reporter=None):
@@ -217,19 +212,25 @@ def run_one_pass(cfg, progress: bool | None = None, reporter=None):
                              and looks_finished(followed, cfg.data, cfg.endpoint_url))
     gen_env = pin_env(split[0]) if split else {} if cuda_available() else reversed_binding(cfg.tensor_parallel_size)
 
-    if cuda_available() and cfg.gpu_memory_utilization is None:
+    split_gpu = cuda_available() and cfg.backend != "hf"  # one --gpu-memory-utilization for both engines
+    if cuda_available() and cfg.gpu_memory_utilization is None and not split_gpu:
         cfg = replace(cfg, gpu_memory_utilization=GPU_SHARE)
     # the child first: its imports and engine start are the critical path, the plan below is not
     # on CPU it generates once vx's engine has started (an hf capture has no engine start to wait for)
     log = out / "logs" / (f"regenerate-{followed.stem}.log" if cfg.partitioned else "regenerate.log")
     # keep: the capture's engine starts beside the generation (GPU), which keeps its memory until then
-    regen = Regeneration(regen_config(cfg), gen_env, log, hold=after_end and cfg.backend != "hf",
-                         keep=not after_end and cfg.backend != "hf")
+    regen = Regeneration(dict(regen_config(cfg), **({"gpu_memory_utilization": LATER} if split_gpu else {})), gen_env,
+                         log, hold=after_end and cfg.backend != "hf", keep=not after_end and cfg.backend != "hf")
     cores, env = os.sched_getaffinity(0), dict(os.environ)  # given back after: a caller in this process keeps its own
     try:
-        if not cfg.max_model_len:
-            cfg = replace(cfg, max_model_len=max_model_len(cfg))
-            regen.send_max_model_len(cfg.max_model_len)
+        later = {} if cfg.max_model_len else {"max_model_len": max_model_len(cfg)}
+        cfg = replace(cfg, max_model_len=cfg.max_model_len or later["max_model_len"])
+        if split_gpu:  # by the capture's plan, before either engine starts
+            shares = gpu_shares(cfg.model, cfg.layers, cfg.max_model_len + TAIL, cfg.gpu_memory_utilization,
+                                cfg.tensor_parallel_size, cfg.max_num_batched_tokens) or (GPU_SHARE, GPU_SHARE)
+            later["gpu_memory_utilization"], cfg = shares[0], replace(cfg, gpu_memory_utilization=shares[1])
+        if later:
+            regen.send_later(later)
         if split:
             os.sched_setaffinity(0, set(split[1]))
             os.environ.update(pin_env(split[1]))
@@ -273,14 +274,14 @@ def main(argv: list[str]) -> int:
 
     def run(d: dict, events):
         hold, keep = d.pop("hold", False), d.pop("keep", False)
-        if d["max_model_len"] == LATER:  # import the engine's modules while the driver plans, then ask
+        if LATER in d.values():  # import the engine's modules while the driver plans, then ask
             from vx.regenerate.engine import preload
 
             preload(d["tensor_parallel_size"], Path(d["output"]))
             line = sys.stdin.readline()
             if not line.strip():
                 raise VxError("the one-pass driver stopped before the regeneration could start")
-            d = dict(d, max_model_len=int(line))
+            d = dict(d, **json.loads(line))
 
         def ready():  # the engine started: the driver may start its own; held, wait for its word
             events.emit("ready")

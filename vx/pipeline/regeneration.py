@@ -1,8 +1,8 @@
 """The one-pass job's regeneration: `vx regenerate` in a child process of `vx extract --regenerate`
 (vx/pipeline/one_pass.py), and what the driver says to it and hears from it.
 
-On its stdin: the engine's max_model_len when the driver computed it while the child imported
-vLLM (LATER), then "go" when the driver holds it (CPU: the generation starts once the capture's
+On its stdin: a JSON line of the settings the driver worked out while the child imported vLLM
+(LATER: max_model_len, and on a GPU its share of --gpu-memory-utilization), then "go" when the driver holds it (CPU: the generation starts once the capture's
 engine has; a kept child: the capture's engine has started, so its own engine may stop), then its
 end (a held child stops its engine once the capture is done: CPU, where the capture follows the
 generation's end and would share the cores with that stop). On its
@@ -23,7 +23,7 @@ from pathlib import Path
 from vx.errors import VxError
 
 STOP_S = 5.0      # the regeneration's process group gets this long after SIGTERM, then SIGKILL
-LATER = "stdin"   # the child's max_model_len when the driver computes it while the child starts
+LATER = "stdin"   # a setting the driver works out while the child starts (send_later)
 
 
 class Regeneration:
@@ -53,8 +53,9 @@ class Regeneration:
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
-    def send_max_model_len(self, n: int) -> None:
-        self._say(f"{n}\n")
+    def send_later(self, settings: dict) -> None:
+        """The values of the settings started as LATER, in one line."""
+        self._say(json.dumps(settings) + "\n")
 
     def release(self) -> None:
         """A held child generates (idempotent)."""
