@@ -278,32 +278,6 @@ def test_to_s3_a_kill_9_then_a_rerun_on_another_machine_keep_each_conversations_
         proc.kill()
 
 
-def test_partitions_run_one_job_each_in_any_order_and_the_last_to_end_writes_the_regenerated_file(
-        tmp_path, tiny_model, tokenizer):
-    """--num-partitions 2 --partition-index i, as SLURM array tasks: each job regenerates and
-    captures its token-balanced share, partition 1 first; the last to end merges the parts into
-    OUT/regenerated.jsonl. Every conversation once, its stored ids its text's."""
-    out = tmp_path / "out"
-    summaries = []
-    for i in (1, 0):
-        r = subprocess.run(one_pass(out, "--num-partitions", "2", "--partition-index", str(i), backend="hf"),
-                           cwd=ROOT, capture_output=True, text=True, timeout=900)
-        assert r.returncode == 0, r.stderr[-3000:]
-        summaries.append(json.loads(r.stdout)["regenerated"])
-    assert [s["merged"] for s in summaries] == [False, True]
-    records = [json.loads(line) for line in (ROOT / "examples/chat.jsonl").read_text().splitlines() if line]
-    want = sorted(r["id"] for r in records if "messages" in r or "conversations" in r)
-    convs = [json.loads(line) for line in (out / "regenerated.jsonl").read_text().splitlines() if line.strip()]
-    assert sorted(c["id"] for c in convs) == want and summaries[1]["conversations_in_output"] == len(want)
-    ds = vx.open_dataset(out)
-    assert sorted(ds.ids) == want
-    assert 0 < summaries[0]["conversations"] < len(want)  # each job its own share
-    for c in convs:
-        rendered = tokenizer.apply_chat_template(c["messages"], tokenize=False)
-        assert ds[c["id"]]["input_ids"].tolist() == tokenizer(rendered, add_special_tokens=False)["input_ids"]
-    assert reported_lines(out / "regenerated.jsonl.errors.jsonl") == bad_lines()  # both jobs' bad records
-
-
 def bad_lines(data: Path = ROOT / "examples/chat.jsonl") -> list[int]:
     """The 1-based lines of data that hold no conversation: what the regeneration must report."""
     lines = data.read_text().splitlines()
@@ -314,29 +288,40 @@ def reported_lines(errors: Path) -> list[int]:
     return sorted(json.loads(line)["line"] for line in errors.read_text().splitlines() if line.strip())
 
 
-def test_partitions_on_two_machines_to_s3_leave_one_text_and_every_bad_record_there(tmp_path, tiny_model):
-    """--partition-index 0 and 1 to one s3:// output from two machines (each its own staging): the
-    last to end writes S3's regenerated.jsonl, every conversation once, and S3's errors file every
-    bad record of the input once, those of the other machine's partition too (its disk may be gone)."""
+def test_partitions_run_in_any_order_on_two_machines_to_s3_and_the_last_writes_one_text_with_every_bad_record(
+        tmp_path, tiny_model, tokenizer):
+    """--num-partitions 2 --partition-index i, as SLURM array tasks on two machines (each its own
+    staging) to one s3:// output, partition 1 first: each job regenerates and captures its
+    token-balanced share; the last to end writes S3's regenerated.jsonl, every conversation once
+    and its stored ids its text's, and S3's errors file every bad record of the input once, those
+    of the other machine's partition too (its disk may be gone)."""
     from conftest import machine_cache
     from s3_faults import free_port
     from test_s3 import CREDS, download, start_s3_process
 
     proc, url, client = start_s3_process(free_port())
     try:
-        for i in (0, 1):
+        summaries = []
+        for i in (1, 0):
             r = subprocess.run(one_pass("s3://vx-out/parts", "--endpoint-url", url, "--num-partitions", "2",
                                         "--partition-index", str(i), backend="hf"),
                                cwd=ROOT, capture_output=True, text=True, timeout=900,
                                env=dict(os.environ, **CREDS, VX_CACHE_DIR=machine_cache(tmp_path / f"machine-{i}")))
             assert r.returncode == 0, r.stderr[-3000:]
-        assert json.loads(r.stdout)["regenerated"]["merged"] is True
+            summaries.append(json.loads(r.stdout)["regenerated"])
+        assert [s["merged"] for s in summaries] == [False, True]
         download(client, "vx-out", "parts", tmp_path / "s3")
         records = [json.loads(line) for line in (ROOT / "examples/chat.jsonl").read_text().splitlines() if line]
         want = sorted(r["id"] for r in records if "messages" in r or "conversations" in r)
         convs = [json.loads(line) for line in (tmp_path / "s3" / "regenerated.jsonl").read_text().splitlines()
                  if line.strip()]
-        assert sorted(c["id"] for c in convs) == want == sorted(vx.open_dataset(tmp_path / "s3").ids)
+        ds = vx.open_dataset(tmp_path / "s3")
+        assert sorted(c["id"] for c in convs) == want == sorted(ds.ids)
+        assert summaries[1]["conversations_in_output"] == len(want)
+        assert 0 < summaries[0]["conversations"] < len(want)  # each job its own share
+        for c in convs:
+            rendered = tokenizer.apply_chat_template(c["messages"], tokenize=False)
+            assert ds[c["id"]]["input_ids"].tolist() == tokenizer(rendered, add_special_tokens=False)["input_ids"]
         assert reported_lines(tmp_path / "s3" / "regenerated.jsonl.errors.jsonl") == bad_lines()
     finally:
         proc.kill()
