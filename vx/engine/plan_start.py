@@ -80,18 +80,17 @@ def gpu_shares(model: str, layers, max_model_len: int, utilization: float | None
     none is given) for the capture engine the driver will start, from its plan (vLLM's own config
     and planner, no weights) and this GPU's memory, its line on stderr; None off an NVML-visible GPU."""
     import sys
-
     from pathlib import Path
 
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.platforms import current_platform
 
     from vx.data.layers import resolve_layer_ids
     from vx.data.model import model_info, resolve_model
     from vx.engine.defaults import default_budget
     from vx.engine.vllm_engine import engine_kwargs
 
-    if type(current_platform).__name__ != "NvmlCudaPlatform":
+    total = _gpu_total_bytes()
+    if total is None:
         return None
     utilization = utilization or 0.9
     model_dir = resolve_model(model)
@@ -101,7 +100,7 @@ def gpu_shares(model: str, layers, max_model_len: int, utilization: float | None
     config = EngineArgs(**kwargs).create_engine_config()
     plan = plan_engine(config, len(layer_ids), int(config.model_config.hf_text_config.hidden_size))
     weights = weight_bytes(model_dir) / tensor_parallel_size
-    split = split_gpu(current_platform.get_device_total_memory(0), utilization, weights, plan,
+    split = split_gpu(total, utilization, weights, plan,
                       default_budget(step_tokens, None)[0], MEAN_SAMPLE, tensor_parallel_size)
     print(f"vx: {split.line}", file=sys.stderr)
     return split.regeneration, split.capture
@@ -114,14 +113,22 @@ def weight_bytes(model_dir) -> int:
     return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
 
 
-def _gpu_bytes_beside_weights(config, model_dir) -> int | None:
-    """A GPU's memory at the engine's utilization less this rank's share of the weights, or None
-    off an NVML-visible GPU (the query must not initialise CUDA before vLLM forks)."""
+def _gpu_total_bytes() -> int | None:
+    """This GPU's memory, or None off an NVML-visible GPU (asked through NVML: the query must not
+    initialise CUDA before vLLM forks)."""
     from vllm.platforms import current_platform
 
     if type(current_platform).__name__ != "NvmlCudaPlatform":
         return None
-    total = current_platform.get_device_total_memory(0)
+    return current_platform.get_device_total_memory(0)
+
+
+def _gpu_bytes_beside_weights(config, model_dir) -> int | None:
+    """A GPU's memory at the engine's utilization less this rank's share of the weights, or None
+    off an NVML-visible GPU."""
+    total = _gpu_total_bytes()
+    if total is None:
+        return None
     weights = weight_bytes(model_dir)
     tp = config.parallel_config.tensor_parallel_size
     return int(total * config.cache_config.gpu_memory_utilization - weights / tp)
@@ -147,8 +154,6 @@ def plan_capture_engine(kwargs: dict, layer_count: int) -> tuple[dict, EnginePla
     check_fits(plan, config.parallel_config.tensor_parallel_size)
     plan.num_blocks = None  # the engine's own count replaces the estimate once it starts
     return kwargs, plan
-
-
 
 
 def describe_target(model: str, tensor_parallel_size: int, on_cpu: bool) -> str:

@@ -33,8 +33,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from vx.device import cuda_available
-from vx.engine.plan_start import gpu_shares
 from vx.engine.fast_exit import in_spawned_child
+from vx.engine.plan_start import gpu_shares
 from vx.errors import UsageError, VxError, raise_if_stopped
 from vx.pipeline.regenerated_text import merge_when_complete, text_in_s3
 from vx.pipeline.regeneration import LATER, Regeneration, before_stop
@@ -150,7 +150,8 @@ def cpu_layout() -> tuple[tuple[list[int], list[int]] | None, bool]:
     if os.environ.get("VX_ONE_PASS_CORES") != "split":
         return None, True
     cores = sorted(os.sched_getaffinity(0))
-    return (cores[:max(1, len(cores) // 2)], cores[max(1, len(cores) // 2):] or cores), False
+    half = max(1, len(cores) // 2)
+    return (cores[:half], cores[half:] or cores), False
 
 
 def reversed_binding(tensor_parallel_size: int) -> dict[str, str]:
@@ -211,7 +212,6 @@ def run_one_pass(cfg, progress: bool | None = None, reporter=None):
     wait = not after_end or (cfg.backend != "hf" and not cfg.partitioned
                              and looks_finished(followed, cfg.data, cfg.endpoint_url))
     gen_env = pin_env(split[0]) if split else {} if cuda_available() else reversed_binding(cfg.tensor_parallel_size)
-
     split_gpu = cuda_available() and cfg.backend != "hf"  # one --gpu-memory-utilization for both engines
     if cuda_available() and cfg.gpu_memory_utilization is None and not split_gpu:
         cfg = replace(cfg, gpu_memory_utilization=GPU_SHARE)
