@@ -52,7 +52,7 @@ POINTS = {
     "after-batch": "an HF batch computed and handed to the writer",
     "after-step": "an engine step's outputs taken by the driver",
     "engine-step": "the engine core's n-th step (warm-up included)",
-    "engine-sample": "a sample finished in the engine core",
+    "engine-sample": "a sample whose kept rows the scheduled step completes, in the engine core",
     # vx regenerate and the one-pass mode (vx/regenerate/output.py)
     "after-chunk": "a chunk of regenerated conversations committed",
     "before-chunk-fsync": "regenerated conversations written, not fsynced",

@@ -1,16 +1,17 @@
-"""The capture hot path on the worker, device side: finished requests' cached rows -> checked,
+"""The capture hot path on the worker, device side: completed requests' cached rows -> checked,
 encoded chunks, and the sizes the driver gives the worker (capture_budget).
 
-Per engine step, the CaptureSink (vx/engine/sink.py) gets every request that finished in the
-previous step, as one list of cache slots: a group of rows. On a GPU it runs, on a side stream
-that waits for the compute stream (never a sync of it), chunk by chunk of at most `chunk_rows` rows:
+In the step that computes the last of their kept rows, the CaptureSink (vx/engine/sink.py) gets
+those requests, as one list of cache slots: a group of rows. Chunk by chunk of at most
+`chunk_rows` rows, on the compute stream right after the step's forward (so the blocks may be
+reused by the next one, and vLLM frees them at once):
   a gather of the chunk's rows      [t, L, H]   (vLLM's cache-only KV group)
   the checks' token flags           [t], [t, L]
   the store-dtype encoding          fp8 halves what crosses PCIe
-  one async copy into a slot of a pinned ring, and an event.
-So the device memory the capture takes outside vLLM's budget is bounded by the chunk, not by the
-finished requests' lengths (one 60k-token sample of a 27B target would need ~15 GB at once).
-Every step is row-local, so the shards are bit-identical whatever the chunk size.
+then, on a GPU, one async copy into a slot of a pinned ring on a side stream, and an event.
+So the device memory the capture takes outside vLLM's budget is bounded by the chunk and the
+copies in flight (COPY_BYTES), not by the requests' lengths (one 60k-token sample of a 27B target
+would need ~15 GB at once). Every step is row-local: shards are bit-identical whatever the chunk size.
 """
 
 from __future__ import annotations

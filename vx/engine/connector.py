@@ -5,10 +5,14 @@ Model Runner V2) sets the target layers' aux outputs at load time, so compiled g
 graphs include them, and writes each computed token's states into a cache-only KV group
 (`CacheOnlyAttentionLayer`, [blocks, L, block_size, H]) as prefill chunks run. This connector,
 loaded by `kv_connector_module_path` in the shape of vLLM's `ExampleHiddenStatesConnector`:
-- scheduler side: when a request finishes, keeps its cache blocks (delayed free) and sends the
-  worker its sample id, loss mask, kept token ids and block ids in the next step's metadata;
-- worker side (TP rank 0 only): hands that step's finished requests to the CaptureSink (one
-  gather, async copy, vx/engine/capture.py) and reports a request's blocks free once they were read.
+- scheduler side: in the step that computes the last of a request's kept rows, sends the worker
+  its sample id, loss mask, kept token ids and hidden-state block ids with that step's metadata,
+  and never delays freeing a finished request's blocks (every group's: for a 27B hybrid ~300 MiB
+  of GDN state per request would otherwise be held a step or two longer, async scheduling on);
+- worker side (TP rank 0 only): in `wait_for_save`, which both model runners call once the step's
+  forward and the cache-only layer's writes are enqueued, hands those requests to the CaptureSink
+  (vx/engine/capture.py), whose gather runs before the next step's forward can reuse the blocks
+  (in stream order on a GPU, inline on CPU).
 The sample id, loss mask and kept length ride in `SamplingParams.extra_args` (vx_id, vx_mask,
 vx_keep, vx_line); warm-up requests carry vx_warmup and are not captured. Any other request is an
 error: its states would be dropped silently.
@@ -53,7 +57,18 @@ def worker_connector() -> VxCaptureConnector:
 
 @dataclass
 class VxConnectorMetadata(KVConnectorMetadata):
-    finished: list[Finished] = field(default_factory=list)
+    complete: list[Finished] = field(default_factory=list)  # requests whose kept rows this step completes
+
+
+@dataclass
+class _Open:
+    """Scheduler side: a scheduled request until its kept rows are all computed."""
+    extra: dict
+    keep: int
+    token_ids: list[int]
+    blocks: list[int]       # its hidden-state group's blocks so far, in position order
+    computed: int = 0       # tokens computed before this step
+    sent: bool = False
 
 
 CACHE_ONLY_LAYERS = "cache_only_layers."  # vLLM's name for the extract_hidden_states model's layer
@@ -91,20 +106,16 @@ class VxCaptureConnector(KVConnectorBase_V1, SupportsHMA):
         self._group = hidden_state_group(kv_cache_config)
         self._block_size = kv_cache_config.kv_cache_groups[self._group].kv_cache_spec.block_size
         self._group_layers = set(kv_cache_config.kv_cache_groups[self._group].layer_names)
-        self._finished: list[Finished] = []  # scheduler side: to the worker with the next step
+        self._open: dict[str, _Open] = {}  # scheduler side: req id -> until its request finishes
         # worker side
         self.sink = None  # a CaptureSink, attached by the worker extension for one run
         self.kv_cache: torch.Tensor | None = None
         self.rank0 = True
-        self._reading: dict[str, Any] = {}  # req id -> event: its blocks are being read
 
     @property
     def block_size(self) -> int:
         """Tokens per block of the hidden-state group, as vLLM planned it (vx/engine/plan.py)."""
         return self._block_size
-
-    def get_finished_count(self) -> int:
-        return 1  # only TP rank 0 reads the states and reports a request's blocks free
 
     # ---- worker side ---------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -138,23 +149,19 @@ class VxCaptureConnector(KVConnectorBase_V1, SupportsHMA):
         pass  # the cache-only layer already wrote the rows during the forward
 
     def wait_for_save(self) -> None:
-        pass
+        """Capture the requests whose kept rows this step completed. Both model runners call this
+        after the step's forward and the extract_hidden_states drafter (the cache-only layer's
+        writes) were enqueued, and before the next step's forward, which may reuse their blocks."""
+        if not (self.rank0 and self.has_connector_metadata()):
+            return
+        meta = self._get_connector_metadata()
+        if isinstance(meta, VxConnectorMetadata) and meta.complete and self.sink is not None:
+            # No run open: requests completed after an interrupted run closed. Nothing claims them
+            # committed (the driver counts what the worker took), so the rerun redoes them.
+            self.sink.submit(self.kv_cache, meta.complete, self._block_size)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Submit the requests that finished last step; report those whose blocks were read."""
-        if self.rank0 and self.has_connector_metadata():
-            meta = self._get_connector_metadata()
-            if isinstance(meta, VxConnectorMetadata) and meta.finished:
-                # No run open: requests that finished after an interrupted run closed. Nothing
-                # claims them committed (the driver counts what the worker took), so they are
-                # redone by the rerun; their blocks are freed.
-                event = self.sink.submit(self.kv_cache, meta.finished, self._block_size) if self.sink else None
-                for f in meta.finished:
-                    self._reading[f.req_id] = event
-        done = {r for r, ev in self._reading.items() if ev is None or ev.query()}
-        for r in done:
-            del self._reading[r]
-        return done or None, None
+        return None, None  # no request's blocks are held for the capture
 
     # ---- scheduler side ------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -164,10 +171,42 @@ class VxCaptureConnector(KVConnectorBase_V1, SupportsHMA):
         pass
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        """Track each scheduled request's hidden-state blocks (vLLM sends new ones with every step)
+        and send the worker those whose kept rows this step computes to the last."""
         faults.point("engine-step")  # tests: the engine core killed at its n-th step (warm-up included)
-        meta = VxConnectorMetadata(self._finished)
-        self._finished = []
-        return meta
+        g = self._group
+        for new in scheduler_output.scheduled_new_reqs:
+            extra = (new.sampling_params.extra_args if new.sampling_params else None) or {}
+            if extra.get("vx_warmup"):
+                continue
+            if "vx_id" not in extra:
+                raise RuntimeError(f"vx: request {new.req_id!r} carries no vx sample id; refusing to drop its states")
+            if (o := self._open.get(new.req_id)) is not None and o.sent:
+                continue  # preempted after its rows were captured, resumed (Model Runner V2 sends it as new)
+            keep = int(extra["vx_keep"])
+            self._open[new.req_id] = _Open(extra, keep, list(new.prompt_token_ids[:keep]),
+                                           list(new.block_ids[g]), new.num_computed_tokens)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            o = self._open.get(req_id)
+            if o is None:
+                continue
+            ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:  # preempted and rescheduled: its blocks are new (its
+                o.blocks = list(ids[g]) if ids is not None else []  # capture, if sent, stays the one)
+            elif ids is not None:
+                o.blocks.extend(ids[g])
+            o.computed = cached.num_computed_tokens[i]
+        complete = []
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            o = self._open.get(req_id)
+            if o is None or o.sent or o.computed + n < o.keep:
+                continue
+            o.sent = True
+            faults.point("engine-sample")  # tests: the engine core killed as its n-th sample completes
+            complete.append(Finished(req_id, o.extra["vx_id"], o.extra.get("vx_line"), o.extra["vx_mask"],
+                                     o.token_ids, o.blocks[: -(-o.keep // self._block_size)]))
+        return VxConnectorMetadata(complete)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """The single-group call (vLLM uses request_finished_all_groups for SupportsHMA connectors)."""
@@ -178,18 +217,7 @@ class VxCaptureConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
-        extra = (request.sampling_params.extra_args if request.sampling_params else None) or {}
-        if extra.get("vx_warmup"):
-            return False, None
-        if "vx_id" not in extra:
-            raise RuntimeError(f"vx: request {request.request_id!r} carries no vx sample id; refusing to drop "
-                               "its states")
-        if self._group >= len(block_ids) or not block_ids[self._group]:
-            return False, None  # never scheduled (aborted while waiting): nothing computed, nothing kept
-        keep = int(extra["vx_keep"])
-        if request.num_computed_tokens < keep:
-            return False, None  # aborted mid-prefill: its states are incomplete; the sample is redone
-        faults.point("engine-sample")  # tests: the engine core killed as its n-th sample finishes
-        self._finished.append(Finished(request.request_id, extra["vx_id"], extra.get("vx_line"), extra["vx_mask"],
-                                       list(request.prompt_token_ids[:keep]), list(block_ids[self._group])))
-        return True, None
+        """Free at once: a completed request's rows were gathered in its last step (before any
+        later forward), and one aborted before that is redone (its states are incomplete)."""
+        self._open.pop(request.request_id, None)
+        return False, None

@@ -45,8 +45,9 @@ def split_gpu(total: float, utilization: float, weight_bytes: float, plan: Engin
               mean_tokens: int = MEAN_SAMPLE, tensor_parallel_size: int = 1) -> GpuSplit:
     """One GPU's --gpu-memory-utilization shared by the one-pass mode's two engines, each holding a
     copy of the weights (weight_bytes: this rank's share): the capture gets the KV blocks its plan
-    needs to keep a full step in flight (the step's requests, and as many finished ones whose blocks
-    the connector still holds), at least one request of max_model_len and at most half the room;
+    needs to keep a full step in flight (the step's requests, and the previous step's, which async
+    scheduling frees only after this one was scheduled), at least one request of max_model_len and
+    at most half the room;
     the generation the rest, at least one request of max_model_len. Raises UsageError, in one line,
     where the two cannot both start."""
     from vx.errors import UsageError
@@ -70,7 +71,7 @@ def split_gpu(total: float, utilization: float, weight_bytes: float, plan: Engin
     line = (f"one GPU, two engines: --gpu-memory-utilization {utilization} split as regeneration {regeneration}, "
             f"capture {capture} (weights {weight_bytes / 1e9:,.1f} GB each; capture KV {capture_kv / 1e9:,.1f} GB: "
             f"{(capture_kv // plan.bytes_per_block - 1) // plan.blocks_for(mean_tokens):,.0f} requests of {mean_tokens} "
-            f"tokens in flight, of the {requests:,} a full {step_tokens:,}-token step and its finished ones hold)")
+            f"tokens in flight, of the {requests:,} two full {step_tokens:,}-token steps hold)")
     return GpuSplit(regeneration, capture, line)
 
 

@@ -16,74 +16,20 @@ work itself costs). Hidden states never cross vLLM's RPC.
 
 from __future__ import annotations
 
+import collections
 import queue
 import time
 import threading
-from dataclasses import dataclass, field
 
 import torch
 
 from vx.engine.capture import Finished, capture_chunks, execute_wait_bound_s, slots_of
 from vx.engine.pinned_ring import Hold, PinnedRing, carve, nbytes
+from vx.engine.staged import Chunk, Group
 from vx.store.encoding import flags_problem
 
 
-@dataclass
-class _Group:
-    """The requests finished in one step, their rows assembled on the host chunk by chunk: kept
-    in their ring slots (zero_copy) or copied out of them into host tensors."""
-    finished: list[Finished]
-    rows: int
-    zero_copy: bool = False
-    chunks: list = field(default_factory=list)  # zero_copy: the group's _Chunks, in row order
-    stored: torch.Tensor | None = None  # [sum T, L, H] store dtype
-    scales: torch.Tensor | None = None  # [sum T, L] fp8 only
-    finite: torch.Tensor | None = None  # [sum T]
-    zero: torch.Tensor | None = None    # [sum T, L]
-
-    def put(self, start: int, stored, scales, finite, zero, adopt: bool = False) -> None:
-        """Rows start..start+t of the group (host tensors), copied; adopt: a chunk that is the
-        whole group is kept as it is (the CPU path's own fresh tensors)."""
-        t = stored.shape[0]
-        if adopt and start == 0 and t == self.rows and self.stored is None:
-            self.stored, self.scales, self.finite, self.zero = stored, scales, finite, zero
-            return
-        if self.stored is None:
-            self.stored = stored.new_empty((self.rows, *stored.shape[1:]))
-            self.scales = scales.new_empty((self.rows, *scales.shape[1:])) if scales is not None else None
-            self.finite = finite.new_empty((self.rows,))
-            self.zero = zero.new_empty((self.rows, *zero.shape[1:]))
-        self.stored[start:start + t].copy_(stored)
-        if scales is not None:
-            self.scales[start:start + t].copy_(scales)
-        self.finite[start:start + t].copy_(finite)
-        self.zero[start:start + t].copy_(zero)
-
-    def pieces(self, start: int, end: int, region: int) -> list[torch.Tensor]:
-        """zero_copy: views of rows start..end of one region (0 stored, 1 scales) in the ring."""
-        out = []
-        for c in self.chunks:
-            a, b = max(start, c.start), min(end, c.start + c.rows)
-            if a < b:
-                out.append(c.host[region][a - c.start:b - c.start])
-        return out or [self.chunks[0].host[region][:0]]
-
-    def holds(self, start: int, end: int) -> list[Hold]:
-        return [c.hold for c in self.chunks if max(start, c.start) < min(end, c.start + c.rows)]
-
-
-@dataclass
-class _Chunk:
-    """One chunk of a group in a ring slot, or a group already complete on the host (CPU)."""
-    group: _Group
-    start: int = 0
-    rows: int = 0
-    host: list | None = None  # ring views: stored, scales | None, finite, zero
-    event: object = None      # CUDA event: the copy into the ring slot is done (None: done)
-    hold: Hold | None = None  # the ring slot
-    last: bool = True
-
-
+COPY_BYTES = 1 << 30  # device bytes of encoded chunks waiting for their copy into the ring
 FLUSH = object()  # queued when the forward waits for ring space: the writer commits what it holds
 class CaptureSink:
     """Owns the worker side of one run: staging, checks, encoding and the ShardWriter.
@@ -109,9 +55,11 @@ class CaptureSink:
         ring = staging == "ring" or (staging == "auto" and self.cuda)
         self._ring = PinnedRing(self.ring_bytes, pin=self.cuda) if ring else None
         self._stream = torch.cuda.Stream(device) if self.cuda else None
+        self._copies: collections.deque = collections.deque()  # (event, bytes): chunks' copies in flight
+        self._copy_bytes = 0
         self._held = 0  # ring bytes the writer holds
         self._held_lock = threading.Lock()
-        self._pending: _Group | None = None  # the zero-copy group being assembled
+        self._pending: Group | None = None  # the zero-copy group being assembled
         # the ring path's queue is bounded by the ring (and by the spills, one per wait_bound_s);
         # a bounded queue would make the forward wait on the writer without limit
         self._queue: queue.Queue = queue.Queue(maxsize=0 if ring else max_queued)
@@ -129,53 +77,71 @@ class CaptureSink:
         return [self._thread.native_id, self.writer.thread_id]
 
     # ---- forward thread ------------------------------------------------------------------
-    def submit(self, kv_cache: torch.Tensor, finished: list[Finished], block_size: int):
-        """Start capturing these finished requests. Returns a CUDA event that completes when their
-        cache blocks may be reused (None: already free, as on CPU)."""
+    def submit(self, kv_cache: torch.Tensor, finished: list[Finished], block_size: int) -> None:
+        """Capture these requests, whose rows the step just computed. Once this returns, any later
+        kernel on the compute stream may overwrite their blocks: the gather and the encoding are
+        enqueued on it (on a GPU; inline on CPU), only each chunk's copy into the ring on the side
+        stream, overlapping the next forward."""
         self.received += len(finished)
         self.tokens += sum(len(f.token_ids) for f in finished)
-        if self._error is not None:  # the writer failed: the driver reports it; free the blocks
-            return None
+        if self._error is not None:  # the writer failed: the driver reports it
+            return
         slots = slots_of(finished, block_size)  # [sum T]
-        group = _Group(finished, int(slots.shape[0]))
+        group = Group(finished, int(slots.shape[0]))
         if not group.rows:
-            return None
+            return
         if self._ring is None:  # the same device work, inline: on the forward's own threads, since
             # a second thread's torch ops would start another OpenMP team on the same cores
             capture_chunks(kv_cache, slots, self.store_dtype, self.chunk_rows,
-                           lambda *a: group.put(*a, adopt=True))  # copies: blocks free
-            self._queue.put(_Chunk(group))
-            return None
+                           lambda *a: group.put(*a, adopt=True))  # copies
+            self._queue.put(Chunk(group))
+            return
         if not self.cuda:
             capture_chunks(kv_cache, slots, self.store_dtype, self.chunk_rows, lambda *a: self._to_ring(group, *a))
-            return None
-        stream = self._stream
-        stream.wait_stream(torch.cuda.current_stream(kv_cache.device))
-        with torch.cuda.stream(stream):
-            slots = slots.pin_memory().to(kv_cache.device, non_blocking=True)
-            capture_chunks(kv_cache, slots, self.store_dtype, self.chunk_rows,
-                           lambda *a: self._to_ring(group, *a, stream=stream))
-            gathered = torch.cuda.Event()  # after the last chunk's gather: the blocks may be reused
-            gathered.record(stream)
-        return gathered
+            return
+        compute = torch.cuda.current_stream(kv_cache.device)
+        slots = slots.pin_memory().to(kv_cache.device, non_blocking=True)
+        capture_chunks(kv_cache, slots, self.store_dtype, self.chunk_rows,
+                       lambda *a: self._to_ring(group, *a, compute=compute))
 
-    def _to_ring(self, group, start, stored, scales, finite, zero, stream=None) -> None:
-        """One chunk ([t, L, H], [t, L] | None, [t], [t, L]) copied into a ring slot (async on a GPU)."""
+    def _to_ring(self, group, start, stored, scales, finite, zero, compute=None) -> None:
+        """One chunk ([t, L, H], [t, L] | None, [t], [t, L]) copied into a ring slot (on a GPU: by
+        the side stream once the compute stream has encoded it; the chunk's device tensors are not
+        reused before the copy is done, and at most COPY_BYTES of them wait for their copies)."""
         regions = [stored, finite, zero] + ([scales] if scales is not None else [])
         shapes = [(tuple(x.shape), x.dtype) for x in regions]
         size = nbytes(shapes)
         # waits while the ring is full, never past the bound: vLLM would declare the worker dead
         buf, token = self._ring.alloc(size, on_wait=self._ask_flush, timeout=self.wait_bound_s)
         host = carve(buf, shapes)
-        for dst, src in zip(host, regions):
-            dst.copy_(src, non_blocking=stream is not None)
         event = None
-        if stream is not None:
+        if compute is None:
+            for dst, src in zip(host, regions):
+                dst.copy_(src)
+        else:
+            stream = self._stream
+            stream.wait_stream(compute)  # the chunk's gather and encoding
+            with torch.cuda.stream(stream):
+                for dst, src in zip(host, regions):
+                    dst.copy_(src, non_blocking=True)
+                    src.record_stream(stream)  # the allocator reuses it only once the copy is done
             event = torch.cuda.Event(blocking=True)  # the intake sleeps in synchronize() instead of spinning a core
             event.record(stream)
+            self._bound_copies(event, size)
         t = stored.shape[0]
-        self._queue.put(_Chunk(group, start, t, [host[0], host[3] if scales is not None else None, host[1], host[2]],
+        self._queue.put(Chunk(group, start, t, [host[0], host[3] if scales is not None else None, host[1], host[2]],
                                event, Hold(self._ring, token, size), last=start + t == group.rows))
+
+    def _bound_copies(self, event, size: int) -> None:
+        """Device memory the chunks waiting for their copies hold, outside vLLM's budget: past
+        COPY_BYTES the forward thread waits for the oldest copies (a full default step of a
+        27B target's rows, 16k x 51 KB, stays below it)."""
+        self._copies.append((event, size))
+        self._copy_bytes += size
+        while self._copies and (self._copy_bytes > COPY_BYTES or self._copies[0][0].query()):
+            done, n = self._copies.popleft()
+            done.synchronize()
+            self._copy_bytes -= n
 
     def _ask_flush(self) -> None:
         """The ring is full: the writer's open shard may hold the oldest slot, so commit it now
@@ -215,7 +181,7 @@ class CaptureSink:
         with self._held_lock:
             self._held -= n
 
-    def _take(self, c: _Chunk) -> None:
+    def _take(self, c: Chunk) -> None:
         g = c.group
         if c.host is not None:  # a ring slot: wait for its copy, then keep it or copy out of it
             kept = False
@@ -247,7 +213,7 @@ class CaptureSink:
             for ch in g.chunks:  # the intake's own references; the writer's keep the slots
                 ch.hold.drop()
 
-    def _emit(self, g: _Group) -> None:
+    def _emit(self, g: Group) -> None:
         """A complete group: reject samples whose flags fail, hand the rest to the writer."""
         if g.zero_copy:
             finite = torch.cat([c.host[2] for c in g.chunks])
