@@ -1,8 +1,9 @@
 """Apply every patch in this folder to the installed packages (run once by the setup step).
 
-Each patch module names TARGET (a path inside site-packages), OLD and NEW text. A patch whose
-NEW text is already there is skipped; a TARGET that is missing is skipped (package absent);
-a TARGET whose text matches neither is an error, so a silent no-op never hides a version change.
+Each patch module names TARGET (a path inside site-packages) or TARGETS (one per package version,
+the first that holds OLD or NEW text is patched), OLD and NEW text. A patch whose NEW text is
+already there is skipped; targets that are missing are skipped (package absent); targets that
+exist and match neither are an error, so a silent no-op never hides a version change.
 """
 
 import importlib.util
@@ -24,22 +25,25 @@ def apply(patch_file: Path) -> str:
     spec = importlib.util.spec_from_file_location(patch_file.stem, patch_file)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    for d in site_dirs():
-        target = d / mod.TARGET
-        if not target.exists():
-            continue
+    targets = getattr(mod, "TARGETS", None) or [mod.TARGET]  # several: one per package version
+    found = [d / t for d in site_dirs() for t in targets if (d / t).exists()]
+    for target in found:
         text = target.read_text()
         if mod.NEW in text:
             return f"{patch_file.stem}: already applied to {target}"
-        if mod.OLD not in text:
-            raise SystemExit(f"{patch_file.stem}: {target} does not contain the expected text; "
-                             "the package version changed, review the patch")
-        target.write_text(text.replace(mod.OLD, mod.NEW, 1))
-        return f"{patch_file.stem}: applied to {target}"
-    return f"{patch_file.stem}: {mod.TARGET} not installed, skipped"
+        if mod.OLD in text:
+            target.write_text(text.replace(mod.OLD, mod.NEW, 1))
+            return f"{patch_file.stem}: applied to {target}"
+    if found:
+        raise SystemExit(f"{patch_file.stem}: {', '.join(map(str, found))} does not contain the expected text; "
+                         "the package version changed, review the patch")
+    return f"{patch_file.stem}: {' or '.join(targets)} not installed, skipped"
 
 
 if __name__ == "__main__":
-    for f in sorted(HERE.glob("*.py")):
-        if f.name != "apply.py":
-            print(apply(f), file=sys.stderr)
+    names = set(sys.argv[1:])  # only these patches (a GPU machine: vllm_hidden_state_billing); all by default
+    files = [f for f in sorted(HERE.glob("*.py")) if f.name != "apply.py" and (not names or f.stem in names)]
+    if names - {f.stem for f in files}:
+        raise SystemExit(f"no such patch: {', '.join(sorted(names - {f.stem for f in files}))}")
+    for f in files:
+        print(apply(f), file=sys.stderr)

@@ -6,7 +6,8 @@ states them (0.32 `_align_hybrid_block_size`, `get_kv_cache_groups`, `_get_kv_ca
 not read from the plan: the GDN state page (fp32 recurrent state, as the checkpoints ask through
 `mamba_ssm_dtype`, and a conv state one token longer for the extract_hidden_states method), the
 attention block aligned up to it in 16-token kernel blocks, the hidden-state block the largest
-divisor of it that fits the page, every block billed at the widest group's (16 layers') pages.
+divisor of it that fits the page, and, with patches/vllm_hidden_state_billing.py (applied by the
+setup), one layer per group: every block billed one page (vLLM alone bills the widest group's 16).
 """
 
 import json
@@ -70,8 +71,10 @@ def expected(spec: dict, tp: int, layers: int = 5) -> dict:
     per_token = layers * spec["hidden_size"] * 2
     cap = page // per_token
     hidden_block = max(d for d in range(1, min(attention_block, cap) + 1) if attention_block % d == 0)
+    n = spec["num_hidden_layers"]
     return {"attention_block": attention_block, "hidden_block": hidden_block, "page": page,
-            "bytes_per_block": page * spec["num_hidden_layers"] // 4}  # 16 layers in the widest group
+            "bytes_per_block": page,  # one layer per group (the patch): a block is one page
+            "attention_groups": n // 4, "gdn_groups": 3 * n // 4}  # 3 GDN layers to 1 attention layer
 
 
 @pytest.mark.parametrize("name,spec", [("27B", QWEN36_27B), ("4B", QWEN35_4B), ("35B-A3B", QWEN36_35B_A3B)])
@@ -99,12 +102,13 @@ def test_the_plan_gives_the_hidden_state_group_a_block_of_16_or_more(tmp_path, n
 def test_27b_on_one_gpu_matches_the_figures_worked_out_from_vllms_code(tmp_path):
     """Qwen3.6-27B, TP 1, layers [1,16,31,46,61]: attention block 800 tokens (a 3.3 MB GDN page in
     4,096-byte tokens), hidden-state block 50 (largest divisor of 800 within 64 tokens of
-    51,200 B), ~52 MB billed per block: ~1 MiB per captured token, 20x its own size."""
+    51,200 B), one 3.3 MB page billed per block: 64 KiB per captured token, 1.28x its own size
+    (vLLM alone: 16 pages, ~1 MiB, 20.5x)."""
     config = engine_config(write_config(tmp_path, QWEN36_27B), 1, 3301)
     plan = plan_engine(config, 5, 5120, attention_block=gpu_attention_block(config))
     assert (plan.attention_block, plan.hidden_block) == (800, 50)
-    assert plan.bytes_per_block == 16 * 800 * 4096
-    assert round(plan.billed_bytes_per_token / 51_200, 1) == 20.5
+    assert plan.bytes_per_block == 800 * 4096 and plan.widest_group == 1
+    assert plan.billed_bytes_per_token == 65_536 and "patches/apply.py" not in plan.line()
     assert plan.max_model_len == 3350
 
 
@@ -114,9 +118,9 @@ def test_27b_on_one_gpu_matches_the_figures_worked_out_from_vllms_code(tmp_path)
 def test_the_plan_fits_and_says_how_many_requests_stay_in_flight(tmp_path, gpu, name, spec, tp):
     """At 0.9 of the GPU less the weights (and 4 GB for activations), the blocks hold one request
     of max_model_len, and the plan says how many average requests stay in flight. Whether they
-    cover a full 8,192-token step plus the step of finished requests the connector still holds:
-    everywhere but 27B on one 80 or 96 GB card, where vLLM's billing of the hidden-state blocks
-    (~1 MiB per captured token) leaves 19-38 requests."""
+    cover two full 8,192-token steps (async scheduling frees a step's finished requests after the
+    next one is scheduled): everywhere but 27B on one 80 GB H100, where 14 GB beside the weights
+    hold ~35 average requests (a request's 16 attention pages, 96 GDN ones and 7 hidden-state ones)."""
     config = engine_config(write_config(tmp_path, spec), tp, 3301)
     available = int(GPUS[gpu] * 0.9 - spec["weights_gb"] * 1e9 / tp - 4e9)
     plan = plan_engine(config, 5, spec["hidden_size"], available_bytes=available,
@@ -130,17 +134,19 @@ def test_the_plan_fits_and_says_how_many_requests_stay_in_flight(tmp_path, gpu, 
     # a request's blocks: attention and hidden states by length, 2 per GDN group (its state + the
     # extract_hidden_states method's spare), vLLM's null block aside
     want = expected(spec, tp)
-    per_request = -(-MEAN // want["attention_block"]) + 3 * 2 + -(-MEAN // want["hidden_block"])
+    per_request = (want["attention_groups"] * -(-MEAN // want["attention_block"]) + want["gdn_groups"] * 2
+                   + -(-MEAN // want["hidden_block"]))
     in_flight = plan.requests_in_flight(MEAN)
     assert plan.blocks_for(MEAN) == per_request and in_flight == (plan.num_blocks - 1) // per_request
     covers = in_flight * MEAN >= 2 * STEP
-    # ~1 MiB per captured token on one 80-96 GB card: the step cannot stay full; everywhere else it can
-    assert covers == ((name, tp) != ("27B", 1) or gpu == "H200"), plan.line(MEAN)
+    assert covers == ((name, tp, gpu) != ("27B", 1, "H100")), plan.line(MEAN)
     assert f"or {in_flight:,} of {MEAN} tokens" in plan.line(MEAN)
 
 
 def test_a_max_model_len_that_cannot_fit_stops_before_any_weight_loads(tmp_path):
-    config = engine_config(write_config(tmp_path, QWEN36_27B), 1, 65536)
+    """27B on one H100: 14 GB beside the weights hold ~4,300 pages of 3.3 MB; a request of the
+    model's 262,144 tokens needs 16 x 328 attention pages, 96 GDN ones and 5,243 hidden-state ones."""
+    config = engine_config(write_config(tmp_path, QWEN36_27B), 1, 262144)
     plan = plan_engine(config, 5, 5120, available_bytes=int(80e9 * 0.9 - 54e9 - 4e9),
                        attention_block=gpu_attention_block(config))
     with pytest.raises(UsageError, match="cannot start.*--max-model-len.*--tensor-parallel-size"):
@@ -155,8 +161,7 @@ def test_the_one_pass_mode_splits_one_gpus_memory_between_its_engines_or_refuses
     """--regenerate on a GPU: one --gpu-memory-utilization (0.9) for the whole device, shared by the
     generation and the capture, each with its copy of the weights and 4 GB for activations: the two
     shares sum to it, each holds at least one request of max_model_len beside its weights, and the
-    capture keeps a full 8,192-token step (and the finished requests held beside it) where half the
-    room allows. Where two copies of the weights leave no such room: one line naming the remedies."""
+    capture keeps two full 8,192-token steps in flight where half the room allows. Where two copies of the weights leave no such room: one line naming the remedies."""
     from vx.engine.plan_start import GPU_RESERVE, split_gpu
 
     config = engine_config(write_config(tmp_path, spec), tp, 3301 + 16)

@@ -6,8 +6,9 @@ divides every other group's block and fits the common page (`get_kv_cache_groups
 attention block is aligned up to the GDN state page (`Platform._align_hybrid_block_size`: 784
 tokens for a Qwen3.6-27B-class target on a GPU) and each GDN group's block is max_model_len
 (without prefix caching), so a max_model_len of "longest sample + 1" makes that divisor 1 for most
-lengths: one captured token per block, and vLLM bills every block at the widest group's page
-(~51 MB for 27B). `plan_engine` rounds max_model_len up to a multiple of the best block the
+lengths: one captured token per block. vLLM bills every block at the widest group's pages (16
+layers' for 27B, ~51 MB a block) unless patches/vllm_hidden_state_billing.py makes every group one
+layer wide (one page a block). `plan_engine` rounds max_model_len up to a multiple of the best block the
 attention block allows, then builds the KV cache specs vLLM's layers would build and runs vLLM's
 grouping and per-block billing over them: the block sizes, the bytes billed per captured token
 and, given the memory, the blocks and the tokens in flight. vLLM then re-plans the same way as
@@ -40,6 +41,11 @@ class EnginePlan:
     available_bytes: int | None = None
 
     @property
+    def widest_group(self) -> int:
+        """Layers of the widest KV group: the pages vLLM bills each block, the hidden state's included."""
+        return max((n for _, n, _ in self.groups), default=1)
+
+    @property
     def billed_bytes_per_token(self) -> float:
         """Memory one captured token costs: its share of a hidden-state block."""
         return self.bytes_per_block / self.hidden_block
@@ -67,6 +73,9 @@ class EnginePlan:
                   f"of max_model_len")
             if mean_tokens:
                 s += f" or {self.requests_in_flight(mean_tokens):,} of {mean_tokens:,} tokens"
+        if self.hybrid and self.widest_group > 1:
+            s += (f"; vLLM bills each hidden-state block at the widest group's {self.widest_group} pages: "
+                  f"`python patches/apply.py vllm_hidden_state_billing` (vx's source tree) bills it one")
         return s
 
 
