@@ -39,7 +39,7 @@ class CaptureSink:
 
     def __init__(self, writer, store_dtype: str, device: torch.device, ring_bytes: int = 1 << 28,
                  chunk_rows: int = 8192, max_queued: int = 64, hold_bytes: int | None = None,
-                 staging: str = "auto", writer_hold_s: float = 0.0):
+                 staging: str = "auto", writer_hold_s: float = 0.0, copy_bytes: int = COPY_BYTES):
         if staging not in ("auto", "ring", "inline"):
             raise ValueError(f"staging must be auto, ring or inline, got {staging!r}")
         self.writer = writer
@@ -57,6 +57,7 @@ class CaptureSink:
         self._stream = torch.cuda.Stream(device) if self.cuda else None
         self._copies: collections.deque = collections.deque()  # (event, bytes): chunks' copies in flight
         self._copy_bytes = 0
+        self.copy_bytes = int(copy_bytes)  # vx selftest's backpressure stage: 0, every copy awaited
         self._held = 0  # ring bytes the writer holds
         self._held_lock = threading.Lock()
         self._pending: Group | None = None  # the zero-copy group being assembled
@@ -134,11 +135,11 @@ class CaptureSink:
 
     def _bound_copies(self, event, size: int) -> None:
         """Device memory the chunks waiting for their copies hold, outside vLLM's budget: past
-        COPY_BYTES the forward thread waits for the oldest copies (a full default step of a
-        27B target's rows, 16k x 51 KB, stays below it)."""
+        copy_bytes (COPY_BYTES; a full 16k-token step of a 27B target's rows, 840 MB, stays below
+        it) the forward thread waits for the oldest copies."""
         self._copies.append((event, size))
         self._copy_bytes += size
-        while self._copies and (self._copy_bytes > COPY_BYTES or self._copies[0][0].query()):
+        while self._copies and (self._copy_bytes > self.copy_bytes or self._copies[0][0].query()):
             done, n = self._copies.popleft()
             done.synchronize()
             self._copy_bytes -= n

@@ -109,13 +109,14 @@ class VllmExtractor:
             max_in_flight: int | None = None, backpressure_s: float = 0.0) -> dict:
         """Extract every sample into shards under out_dir. Returns the worker's stats.
         backpressure_s > 0 (vx selftest): the ring path on any device, the ring cut to the copies in
-        flight (no writer share) and the writer started that late, so the forward waits for space."""
+        flight (no writer share) and the writer started that late, so the forward waits for space;
+        on a GPU the forward also waits for each chunk's copy (the bound on copies in flight)."""
         budget = capture_budget(self.max_num_batched_tokens, len(self.layer_ids), hidden_size, store_dtype,
                                 self.cache_dtype, shard_bytes=shard_bytes)
         stress = {}
         if backpressure_s:  # ring_bytes - hold_bytes: the copies in flight, whatever the shard size
             budget.update(ring_bytes=budget["ring_bytes"] - budget["hold_bytes"], hold_bytes=0)
-            stress = {"staging": "ring", "writer_hold_s": float(backpressure_s)}
+            stress = {"staging": "ring", "writer_hold_s": float(backpressure_s), "copy_bytes": 0}
         self.llm.collective_rpc("vx_begin", args=(str(out_dir), shard_meta, shard_bytes, next_shard,
                                                   len(self.layer_ids), hidden_size, store_dtype, max_local_bytes,
                                                   compress, budget["ring_bytes"], budget["chunk_rows"],

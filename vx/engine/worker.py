@@ -20,10 +20,12 @@ class VxWorkerExtension:
     def vx_begin(self, out_dir: str, shard_meta: dict, shard_bytes: int, next_shard: int, layer_count: int,
                  hidden_size: int, store_dtype: str, max_local_bytes: int | None = None,
                  compress: str | None = None, ring_bytes: int = 1 << 28, chunk_rows: int = 8192,
-                 hold_bytes: int | None = None, staging: str = "auto", writer_hold_s: float = 0.0) -> None:
+                 hold_bytes: int | None = None, staging: str = "auto", writer_hold_s: float = 0.0,
+                 copy_bytes: int | None = None) -> None:
         """Open a ShardWriter and attach it to the capture connector (rank 0 only). ring_bytes,
         chunk_rows and hold_bytes: the driver's capture_budget for this engine's step and shard
-        size (vx/engine/capture.py); staging and writer_hold_s: vx selftest's backpressure stage."""
+        size (vx/engine/capture.py); staging, writer_hold_s and copy_bytes: vx selftest's
+        backpressure stage."""
         from vx.engine.sink import CaptureSink
         from vx.engine.connector import worker_connector
         from vx.engine.reaper import commit_guard
@@ -38,7 +40,8 @@ class VxWorkerExtension:
                              store_dtype, max_local_bytes=max_local_bytes, compress=compress, guard=commit_guard())
         conn.sink = CaptureSink(writer, store_dtype, conn.kv_cache.device, ring_bytes=ring_bytes,
                                 chunk_rows=chunk_rows, hold_bytes=hold_bytes, staging=staging,
-                                writer_hold_s=writer_hold_s)
+                                writer_hold_s=writer_hold_s,
+                                **({} if copy_bytes is None else {"copy_bytes": copy_bytes}))
 
     def vx_watch_driver(self) -> bool:
         """Once the engine has started: this process ends if the driver dies (vx/engine/reaper.py),
