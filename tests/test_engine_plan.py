@@ -182,3 +182,20 @@ def test_the_one_pass_mode_splits_one_gpus_memory_between_its_engines_or_refuses
     step_blocks = 2 * math.ceil(STEP / MEAN) * plan.blocks_for(MEAN)
     assert capture_kv >= min(step_blocks * plan.bytes_per_block, room / 2) * 0.999
     assert f"regeneration {s.regeneration}, capture {s.capture}" in s.line
+
+
+def test_a_plan_whose_groups_are_wider_than_one_layer_names_the_billing_patch():
+    """vLLM without patches/vllm_hidden_state_billing.py groups a 27B target's layers 16 to a group and
+    bills each hidden-state block 16 pages: the plan line (the run's summary, `vx selftest --model`)
+    says so and names the command that mends it; a dense model's single group is not flagged."""
+    from vx.engine.plan import EnginePlan
+
+    unpatched = EnginePlan(max_model_len=3350, attention_block=800, hidden_block=50, hidden_bytes_per_token=51_200,
+                           bytes_per_block=16 * 800 * 4096, hybrid=True,
+                           groups=[("attention", 16, 800), ("gdn", 16, 3350), ("gdn", 16, 3350), ("gdn", 16, 3350),
+                                   ("hidden", 1, 50)])
+    assert "widest group's 16 pages" in unpatched.line()
+    assert "python patches/apply.py vllm_hidden_state_billing" in unpatched.line()
+    dense = EnginePlan(max_model_len=4096, attention_block=16, hidden_block=16, hidden_bytes_per_token=51_200,
+                       bytes_per_block=64 * 16 * 4096, groups=[("attention", 64, 16)])
+    assert "patches/apply.py" not in dense.line()

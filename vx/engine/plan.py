@@ -74,8 +74,8 @@ class EnginePlan:
             if mean_tokens:
                 s += f" or {self.requests_in_flight(mean_tokens):,} of {mean_tokens:,} tokens"
         if self.hybrid and self.widest_group > 1:
-            s += (f"; vLLM bills each hidden-state block at the widest group's {self.widest_group} pages: "
-                  f"`python patches/apply.py vllm_hidden_state_billing` (vx's source tree) bills it one")
+            s += (f"; vLLM bills each hidden-state block at the widest group's {self.widest_group} pages "
+                  f"(`python patches/apply.py vllm_hidden_state_billing`, in vx's source tree, makes it one)")
         return s
 
 
