@@ -66,9 +66,10 @@ def split_gpu(total: float, utilization: float, weight_bytes: float, plan: Engin
             f"{one / 1e9:,.1f} GB for one request of max_model_len {plan.max_model_len:,}; raise "
             f"--tensor-parallel-size (now {tensor_parallel_size}) or --gpu-memory-utilization, lower --max-model-len, "
             f"or run `vx regenerate` and `vx extract` one after the other")
-    capture = math.ceil((per_engine + capture_kv) / total * 1000) / 1000  # shares in thousandths: up,
-    if (utilization - capture) * total - per_engine < one:  # unless the generation's request no longer fits
-        capture = math.floor((per_engine + capture_kv) / total * 1000) / 1000
+    thousandths = (per_engine + capture_kv) / total * 1000  # the capture's share, rounded up unless
+    capture = math.ceil(thousandths) / 1000                 # the generation's request no longer fits
+    if (utilization - capture) * total - per_engine < one:
+        capture = math.floor(thousandths) / 1000
     regeneration = math.floor((utilization - capture) * 1000) / 1000
     line = (f"one GPU, two engines: --gpu-memory-utilization {utilization} split as regeneration {regeneration}, "
             f"capture {capture} (weights {weight_bytes / 1e9:,.1f} GB each; capture KV {capture_kv / 1e9:,.1f} GB: "

@@ -39,7 +39,7 @@ class CaptureSink:
 
     def __init__(self, writer, store_dtype: str, device: torch.device, ring_bytes: int = 1 << 28,
                  chunk_rows: int = 8192, max_queued: int = 64, hold_bytes: int | None = None,
-                 staging: str = "auto", writer_hold_s: float = 0.0, copy_bytes: int = COPY_BYTES):
+                 staging: str = "auto", writer_hold_s: float = 0.0, copy_bytes: int | None = None):
         if staging not in ("auto", "ring", "inline"):
             raise ValueError(f"staging must be auto, ring or inline, got {staging!r}")
         self.writer = writer
@@ -57,7 +57,8 @@ class CaptureSink:
         self._stream = torch.cuda.Stream(device) if self.cuda else None
         self._copies: collections.deque = collections.deque()  # (event, bytes): chunks' copies in flight
         self._copy_bytes = 0
-        self.copy_bytes = int(copy_bytes)  # vx selftest's backpressure stage: 0, every copy awaited
+        # vx selftest's backpressure stage: 0, every copy awaited
+        self.copy_bytes = COPY_BYTES if copy_bytes is None else int(copy_bytes)
         self._held = 0  # ring bytes the writer holds
         self._held_lock = threading.Lock()
         self._pending: Group | None = None  # the zero-copy group being assembled

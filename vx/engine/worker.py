@@ -40,8 +40,7 @@ class VxWorkerExtension:
                              store_dtype, max_local_bytes=max_local_bytes, compress=compress, guard=commit_guard())
         conn.sink = CaptureSink(writer, store_dtype, conn.kv_cache.device, ring_bytes=ring_bytes,
                                 chunk_rows=chunk_rows, hold_bytes=hold_bytes, staging=staging,
-                                writer_hold_s=writer_hold_s,
-                                **({} if copy_bytes is None else {"copy_bytes": copy_bytes}))
+                                writer_hold_s=writer_hold_s, copy_bytes=copy_bytes)
 
     def vx_watch_driver(self) -> bool:
         """Once the engine has started: this process ends if the driver dies (vx/engine/reaper.py),
