@@ -204,6 +204,7 @@ _RUN = textwrap.dedent("""
     from vx.store.writer import ShardWriter
     L, H, BS, T, STEPS, PER_STEP = 3, 64, 4, 24, 12, 2
     out = Path(sys.argv[1]); out.mkdir(parents=True)
+    chunk_rows = int(sys.argv[2])
     g = torch.Generator().manual_seed(0)
     blocks = PER_STEP * (T // BS)
     cache = torch.empty(blocks + 1, L, BS, H, dtype=torch.bfloat16)
@@ -212,7 +213,7 @@ _RUN = textwrap.dedent("""
     token_bytes = L * H * 2 + 5
     writer = ShardWriter(out, {"model": "t"}, step_rows * token_bytes, 0, L, H, "bf16")
     sink = CaptureSink(writer, "bf16", torch.device("cpu"), ring_bytes=3 * step_bytes + 64,
-                       chunk_rows=1 << 20, hold_bytes=1 << 40, staging="ring")
+                       chunk_rows=chunk_rows, hold_bytes=1 << 40, staging="ring")
     longest = 0.0
     for step in range(STEPS):
         cache.copy_(torch.randn(cache.shape, generator=g).to(torch.bfloat16))  # the next step's rows
@@ -228,12 +229,12 @@ _RUN = textwrap.dedent("""
 """)
 
 
-def _run(out: Path, stall: bool, stall_s: int = 3, **extra) -> str:
+def _run(out: Path, stall: bool, stall_s: int = 3, chunk_rows: int = 1 << 20, **extra) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VX_FAULT", "VLLM_EXECUTE_MODEL"))}
     env.update(extra)
     if stall:
         env.update(VX_FAULT="mid-shard-write:2:stall", VX_FAULT_STALL_S=str(stall_s))
-    r = subprocess.run([sys.executable, "-c", _RUN, str(out)], env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-c", _RUN, str(out), str(chunk_rows)], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout
 
@@ -260,10 +261,12 @@ def test_backpressure_never_outwaits_vllms_execute_timeout(tmp_path):
     """With tensor parallelism vLLM declares a worker dead when a step outlasts
     VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (MultiprocExecutor). A writer stalled 20 s behind a full ring,
     against a 5 s timeout: no step's capture waits past half of it (the step gets a buffer of its
-    own instead), the run completes, and its shards are byte-identical to an unstalled run's."""
+    own instead), the run completes, and its shards are byte-identical to an unstalled run's. Each
+    step is four chunks here (a GPU's long steps are several): the bound is the step's, not each
+    chunk's, which would add up past the timeout."""
     calm, stalled = tmp_path / "calm", tmp_path / "stalled"
     _run(calm, stall=False)
-    said = _run(stalled, stall=True, stall_s=20, VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS="5")
+    said = _run(stalled, stall=True, stall_s=20, chunk_rows=12, VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS="5")
     assert _said(said, "spills") > 0, said  # the bound was reached: steps went on without the ring
     assert _said(said, "longest submit") < 5, said  # under the timeout (the bound is 2.5 s)
     shards = sorted(p.name for p in calm.glob("*.safetensors"))

@@ -66,6 +66,7 @@ class CaptureSink:
         # a bounded queue would make the forward wait on the writer without limit
         self._queue: queue.Queue = queue.Queue(maxsize=0 if ring else max_queued)
         self.wait_bound_s = execute_wait_bound_s()
+        self._deadline = 0.0  # the step's: all of its chunks' waits for ring space end by it
         self._error: BaseException | None = None
         self.intake_cpu_s = 0.0
         self.writer_hold_s = float(writer_hold_s)  # vx selftest's backpressure stage: the intake
@@ -98,6 +99,9 @@ class CaptureSink:
                            lambda *a: group.put(*a, adopt=True))  # copies
             self._queue.put(Chunk(group))
             return
+        # one bound for the whole step, however many chunks it has: a bound per chunk let a step
+        # of k chunks wait k times as long, past vLLM's execute timeout from the second chunk on
+        self._deadline = time.monotonic() + self.wait_bound_s
         if not self.cuda:
             capture_chunks(kv_cache, slots, self.store_dtype, self.chunk_rows, lambda *a: self._to_ring(group, *a))
             return
@@ -114,7 +118,8 @@ class CaptureSink:
         shapes = [(tuple(x.shape), x.dtype) for x in regions]
         size = nbytes(shapes)
         # waits while the ring is full, never past the bound: vLLM would declare the worker dead
-        buf, token = self._ring.alloc(size, on_wait=self._ask_flush, timeout=self.wait_bound_s)
+        buf, token = self._ring.alloc(size, on_wait=self._ask_flush,
+                                      timeout=max(0.0, self._deadline - time.monotonic()))
         host = carve(buf, shapes)
         event = None
         if compute is None:
