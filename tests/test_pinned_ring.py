@@ -7,6 +7,7 @@ overwritten bytes). The model below knows only what the ring promised its users:
 released in any order, space reused from the oldest held slot on.
 """
 
+import json
 import os
 import queue
 import random
@@ -21,6 +22,7 @@ import torch
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+import vx
 from vx.engine.pinned_ring import ALIGN, PinnedRing
 
 
@@ -281,3 +283,48 @@ def test_the_wait_bound_follows_the_execute_timeout_in_force():
     assert execute_wait_bound_s({}) == 150.0  # vLLM's default 300 s
     assert execute_wait_bound_s({"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "5"}) == 2.5
     assert execute_wait_bound_s({"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "junk"}) == 150.0
+
+
+# A tensor-parallel engine (2 ranks; only rank 0 captures) staging through the ring, its writer
+# stalled 20 s in its second shard while vLLM's execute timeout is 5 s.
+_TP_RUN = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+    from vx.data.samples import Sample
+    from vx.engine.vllm_extractor import VllmExtractor
+    model, out, data = sys.argv[1], Path(sys.argv[2]), json.loads(Path(sys.argv[3]).read_text())
+    out.mkdir(parents=True)
+    samples = [Sample(d["id"], d["line"], d["ids"], d["mask"]) for d in data]
+    ex = VllmExtractor(model, list(range(8)), tensor_parallel_size=2, max_num_batched_tokens=256, max_num_seqs=8,
+                       gpu_memory_utilization=0.1)
+    try:
+        stats = ex.run(samples, out, {"model": "test"}, 1 << 20, 0, 256, "bf16", staging="ring")
+    finally:
+        ex.close()
+    print(json.dumps(stats))
+""")
+
+
+def test_a_tensor_parallel_engine_outlives_a_writer_stalled_past_vllms_execute_timeout(tiny_model, tmp_path):
+    """vLLM's MultiprocExecutor gives each step VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS and then declares
+    the workers dead. A TP=2 engine's writer stalls 20 s (a hung disk or a throttled S3 endpoint)
+    against a 5 s timeout, with the ring far smaller than the data behind it: the forward waits for
+    ring space at most 2.5 s a step and then goes on with buffers of its own, the run completes,
+    every sample is stored once, and every row matches the HF reference."""
+    from test_vllm_backend import assert_matches, hf_reference, mixed_samples
+
+    samples = mixed_samples(500, n=40, seed=13)
+    data = tmp_path / "samples.json"
+    data.write_text(json.dumps([{"id": s.id, "line": s.line, "ids": s.input_ids, "mask": s.loss_mask}
+                                for s in samples]))
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VX_FAULT", "VLLM_EXECUTE_MODEL"))}
+    env.update(VX_FAULT="mid-shard-write:2:stall", VX_FAULT_STALL_S="20", VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS="5")
+    r = subprocess.run([sys.executable, "-c", _TP_RUN, str(tiny_model), str(out), str(data)], env=env,
+                       capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stderr[-3000:]
+    stats = json.loads(r.stdout.splitlines()[-1])
+    assert stats["ring_spills"] > 0, stats  # the ring filled behind the stalled writer: the bound was reached
+    ds = vx.open_dataset(out)
+    assert sorted(ds.ids) == sorted(s.id for s in samples)  # every sample, once
+    assert_matches(ds, samples, hf_reference(tiny_model, samples, list(range(8))))

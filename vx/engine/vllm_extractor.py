@@ -106,14 +106,15 @@ class VllmExtractor:
     def run(self, samples: Iterable[Sample], out_dir: Path, shard_meta: dict, shard_bytes: int, next_shard: int,
             hidden_size: int, store_dtype: str, max_local_bytes: int | None = None, compress: str | None = None,
             on_done=None, on_reject=None,
-            max_in_flight: int | None = None, backpressure_s: float = 0.0) -> dict:
+            max_in_flight: int | None = None, backpressure_s: float = 0.0, staging: str = "auto") -> dict:
         """Extract every sample into shards under out_dir. Returns the worker's stats.
         backpressure_s > 0 (vx selftest): the ring path on any device, the ring cut to the copies in
         flight (no writer share) and the writer started that late, so the forward waits for space;
-        on a GPU the forward also waits for each chunk's copy (the bound on copies in flight)."""
+        on a GPU the forward also waits for each chunk's copy (the bound on copies in flight).
+        staging="ring": the GPU's staging through the pinned ring on any device (tests on CPU)."""
         budget = capture_budget(self.max_num_batched_tokens, len(self.layer_ids), hidden_size, store_dtype,
                                 self.cache_dtype, shard_bytes=shard_bytes)
-        stress = {}
+        stress = {} if staging == "auto" else {"staging": staging}
         if backpressure_s:  # ring_bytes - hold_bytes: the copies in flight, whatever the shard size
             budget.update(ring_bytes=budget["ring_bytes"] - budget["hold_bytes"], hold_bytes=0)
             stress = {"staging": "ring", "writer_hold_s": float(backpressure_s), "copy_bytes": 0}
