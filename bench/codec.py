@@ -1,0 +1,185 @@
+"""Lossless codecs for stored states, by measurement: ratio, encode and decode GB/s on one core.
+
+    python bench/codec.py [--mb 64] [--block-kib 1024] [--samples 64]
+
+Each codec codes ~1 MiB blocks of rows independently (what keeps a sample's byte range readable),
+on one thread; speeds are GB/s of the uncoded bytes, best of --reps passes; every block is decoded
+and compared with its input byte for byte (a codec that is not lossless fails the run).
+
+Data, each in bf16 and in fp8 e4m3 with one scale per token and layer (vx's fp8 storage):
+  bench-model  states of the bench model (8 layers, hidden 256, the real Qwen3.6 vocabulary, random
+               weights) on real chat samples, through vx's HF backend: layers [1, 3, 5, 7]
+  outliers     synthetic [T, 5, 5120] residual streams with the structure the "massive activations"
+               literature reports (Sun et al. 2024; Dettmers et al. 2022, LLM.int8()): per-channel
+               scales log-normal (sigma 0.6) growing 2x per captured layer; 6 fixed outlier channels
+               at 20-100x the median on every token; on the first token and ~2% of the rest
+               (delimiters), 2 fixed channels at 1,000-10,000x the median. Seeded (synthetic_states).
+Writes bench/results/codec-<device>-<date>-<time>.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import write_result  # noqa: E402
+
+
+def synthetic_states(tokens: int, layers: int = 5, hidden: int = 5120, seed: int = 0):
+    """[T, L, H] float32 residual streams with outlier channels and massive activations."""
+    rng = np.random.default_rng(seed)
+    chan = rng.lognormal(0.0, 0.6, size=(layers, hidden)).astype(np.float32)  # [L, H]
+    chan *= (2.0 ** np.arange(layers, dtype=np.float32))[:, None]  # deeper layers: larger stream
+    outliers = rng.choice(hidden, 8, replace=False)
+    chan[:, outliers[:6]] *= rng.uniform(20, 100, size=6).astype(np.float32)
+    x = rng.standard_normal((tokens, layers, hidden), dtype=np.float32) * chan  # [T, L, H]
+    massive = np.zeros(tokens, dtype=bool)
+    massive[0] = True
+    massive |= rng.random(tokens) < 0.02
+    median = np.median(np.abs(x[:256]), axis=(0, 2))  # [L]
+    for c in outliers[6:]:
+        x[massive, :, c] = median * rng.uniform(1e3, 1e4, size=(int(massive.sum()), layers)).astype(np.float32)
+    return x
+
+
+def model_states(samples: int):
+    """[T, L, H] float32 states of the bench model on real chat samples (vx's HF backend)."""
+    import torch
+
+    from common import bench_model, real_samples
+    from vx.data.model import load_tokenizer
+    from vx.engine.hf_extractor import HFExtractor, load_hf_model
+
+    model_dir = bench_model(8)
+    model = load_hf_model(model_dir, "float32", "cpu")
+    ex = HFExtractor(model, [1, 3, 5, 7])
+    with torch.inference_mode():
+        rows = [ex.extract([s])[0].float() for s in real_samples(load_tokenizer(model_dir), samples)]
+    return torch.cat(rows).numpy()
+
+
+def bf16_bytes(x) -> np.ndarray:
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(x)).to(torch.bfloat16).view(torch.uint8).numpy().reshape(-1)
+
+
+def fp8_bytes(x) -> np.ndarray:
+    """vx's fp8 storage: e4m3 with one scale per token and layer (max |x| -> 448); the values only."""
+    import torch
+
+    t = torch.from_numpy(np.ascontiguousarray(x))
+    scale = t.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 448.0
+    return (t / scale).to(torch.float8_e4m3fn).view(torch.uint8).numpy().reshape(-1)
+
+
+def codecs(itemsize: int) -> dict:
+    """name -> (encode(bytes) -> bytes, decode(bytes, n) -> bytes), all single-threaded."""
+    import blosc2
+    import zstandard
+
+    blosc2.set_nthreads(1)
+    out = {}
+    for level in (1, 3):
+        c, d = zstandard.ZstdCompressor(level=level), zstandard.ZstdDecompressor()
+        out[f"zstd-{level}"] = (c.compress, lambda b, n, d=d: d.decompress(b, max_output_size=n))
+    for name, filt, codec, level in (("shuffle+lz4", blosc2.Filter.SHUFFLE, blosc2.Codec.LZ4, 5),
+                                     ("shuffle+zstd-1", blosc2.Filter.SHUFFLE, blosc2.Codec.ZSTD, 1),
+                                     ("shuffle+zstd-3", blosc2.Filter.SHUFFLE, blosc2.Codec.ZSTD, 3),
+                                     ("bytedelta+zstd-1", blosc2.Filter.BYTEDELTA, blosc2.Codec.ZSTD, 1)):
+        if itemsize == 1 and name != "shuffle+zstd-1":
+            continue
+        params = {"typesize": itemsize, "clevel": level, "codec": codec, "nthreads": 1,
+                  "filters": [blosc2.Filter.SHUFFLE] + ([filt] if filt == blosc2.Filter.BYTEDELTA else []),
+                  "filters_meta": [0, 0] if filt == blosc2.Filter.BYTEDELTA else [0]}
+        out["blosc2 " + (name if itemsize == 2 else "zstd-1")] = (
+            lambda b, p=params: blosc2.compress2(b, **p), lambda b, n: blosc2.decompress2(b))
+    if itemsize == 2:
+        out["exp-plane+zstd-1"] = exp_plane_codec(1)
+        try:
+            from zipnn import ZipNN
+
+            z = ZipNN(bytearray_dtype="bfloat16", threads=1, input_format="byte")
+            # zipnn 0.5.4 reorders its input's bytes in place, even an immutable `bytes` (its
+            # output then decodes to the reordered bytes): it gets a copy, inside its time
+            out["zipnn"] = (lambda b: z.compress(bytearray(b)), lambda b, n: z.decompress(b))
+        except Exception as e:  # noqa: BLE001 - a missing or broken optional contender is reported, not fatal
+            print(f"zipnn skipped: {e}", file=sys.stderr)
+    return out
+
+
+def exp_plane_codec(level: int):
+    """bf16 split into its 8 exponent bits (entropy-coded by zstd) and sign + 7 mantissa bits
+    (stored raw: ~8 bits of entropy in 8). numpy for the split."""
+    import zstandard
+
+    c, d = zstandard.ZstdCompressor(level=level), zstandard.ZstdDecompressor()
+
+    def enc(b: bytes) -> bytes:
+        u = np.frombuffer(b, dtype=np.uint16)
+        exp = (u >> 7).astype(np.uint8)  # the sign drops out of the uint8 cast's low 8 bits
+        rest = ((u >> 8) & 0x80 | (u & 0x7F)).astype(np.uint8)
+        ce = c.compress(exp.tobytes())
+        return len(ce).to_bytes(8, "little") + ce + rest.tobytes()
+
+    def dec(b: bytes, n: int) -> bytes:
+        k = int.from_bytes(b[:8], "little")
+        exp = np.frombuffer(d.decompress(b[8:8 + k], max_output_size=n // 2), dtype=np.uint8).astype(np.uint16)
+        rest = np.frombuffer(b, dtype=np.uint8, offset=8 + k).astype(np.uint16)
+        return ((rest & 0x80) << 8 | exp << 7 | rest & 0x7F).astype(np.uint16).tobytes()
+
+    return enc, dec
+
+
+def measure(data: np.ndarray, block: int, enc, dec, reps: int) -> dict:
+    blocks = [data[i:i + block].tobytes() for i in range(0, data.size, block)]
+    coded, best_e, best_d = None, float("inf"), float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        coded = [enc(b) for b in blocks]
+        best_e = min(best_e, time.perf_counter() - t)
+        t = time.perf_counter()
+        back = [dec(c, len(b)) for c, b in zip(coded, blocks)]
+        best_d = min(best_d, time.perf_counter() - t)
+        if any(bytes(x) != b for x, b in zip(back, blocks)):
+            raise SystemExit("a codec is not lossless")
+    n = sum(map(len, blocks))
+    return {"ratio": n / sum(map(len, coded)), "encode_gb_s": n / best_e / 1e9, "decode_gb_s": n / best_d / 1e9}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mb", type=int, default=64, help="MB of bf16 states per synthetic data set")
+    ap.add_argument("--block-kib", type=int, default=1024)
+    ap.add_argument("--samples", type=int, default=64, help="real chat samples through the bench model")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = ap.parse_args(argv)
+
+    sets = {"outliers": synthetic_states(args.mb * (1 << 20) // (2 * 5 * 5120))}
+    if args.samples:
+        sets["bench-model"] = model_states(args.samples)
+    block = args.block_kib << 10
+    table = {}
+    for name, x in sets.items():
+        for dtype, data in (("bf16", bf16_bytes(x)), ("fp8", fp8_bytes(x))):
+            for codec, (enc, dec) in codecs(2 if dtype == "bf16" else 1).items():
+                r = measure(data, block, enc, dec, args.reps)
+                table[f"{name}/{dtype}/{codec}"] = dict(r, mb=data.size / 1e6)
+                print(f"{name:12s} {dtype:5s} {codec:22s} ratio {r['ratio']:.3f}  encode {r['encode_gb_s']:.2f} GB/s"
+                      f"  decode {r['decode_gb_s']:.2f} GB/s", flush=True)
+    result = {"device": f"cpu-{platform.machine()}", "cpu": platform.processor(), "block_bytes": block,
+              "threads": 1, "results": table}
+    print(f"wrote {write_result('codec', result, args.out)}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
