@@ -14,6 +14,9 @@ Data, each in bf16 and in fp8 e4m3 with one scale per token and layer (vx's fp8 
                scales log-normal (sigma 0.6) growing 2x per captured layer; 6 fixed outlier channels
                at 20-100x the median on every token; on the first token and ~2% of the rest
                (delimiters), 2 fixed channels at 1,000-10,000x the median. Seeded (synthetic_states).
+Also, per bf16 codec, the share of its Python speed a main thread keeps while another thread
+codes (gil_share): a codec that holds the GIL slows the thread beside it, which in vLLM's worker is
+the forward's (vx's writer runs in that process). 2 cores: a codec that releases it leaves ~100%.
 Writes bench/results/codec-<device>-<date>-<time>.json and prints a table.
 """
 
@@ -139,6 +142,37 @@ def exp_plane_codec(level: int):
     return enc, dec
 
 
+def _ticks(seconds: float) -> int:
+    n, end = 0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        n += 1
+    return n
+
+
+def gil_share(data: np.ndarray, block: int, enc, seconds: float = 2.0) -> float:
+    """Python loop speed of this thread while another thread codes blocks, over its speed alone."""
+    import threading
+
+    blocks = [data[i:i + block].tobytes() for i in range(0, min(data.size, 64 * block), block)]
+    stop = threading.Event()
+
+    def code():
+        while not stop.is_set():
+            for b in blocks:
+                enc(b)
+                if stop.is_set():
+                    return
+
+    alone = _ticks(seconds)
+    t = threading.Thread(target=code)
+    t.start()
+    time.sleep(0.2)
+    beside = _ticks(seconds)
+    stop.set()
+    t.join()
+    return beside / alone
+
+
 def measure(data: np.ndarray, block: int, enc, dec, reps: int) -> dict:
     blocks = [data[i:i + block].tobytes() for i in range(0, data.size, block)]
     coded, best_e, best_d = None, float("inf"), float("inf")
@@ -173,9 +207,12 @@ def main(argv=None):
         for dtype, data in (("bf16", bf16_bytes(x)), ("fp8", fp8_bytes(x))):
             for codec, (enc, dec) in codecs(2 if dtype == "bf16" else 1).items():
                 r = measure(data, block, enc, dec, args.reps)
+                if dtype == "bf16" and name == "outliers":
+                    r["gil_share"] = gil_share(data, block, enc)
                 table[f"{name}/{dtype}/{codec}"] = dict(r, mb=data.size / 1e6)
                 print(f"{name:12s} {dtype:5s} {codec:22s} ratio {r['ratio']:.3f}  encode {r['encode_gb_s']:.2f} GB/s"
-                      f"  decode {r['decode_gb_s']:.2f} GB/s", flush=True)
+                      f"  decode {r['decode_gb_s']:.2f} GB/s"
+                      + (f"  main thread beside it {r['gil_share']:.0%}" if "gil_share" in r else ""), flush=True)
     result = {"device": f"cpu-{platform.machine()}", "cpu": platform.processor(), "block_bytes": block,
               "threads": 1, "results": table}
     print(f"wrote {write_result('codec', result, args.out)}", file=sys.stderr)
