@@ -313,7 +313,7 @@ def test_a_tensor_parallel_engine_outlives_a_writer_stalled_past_vllms_execute_t
     every sample is stored once, and every row matches the HF reference."""
     from test_vllm_backend import assert_matches, hf_reference, mixed_samples
 
-    samples = mixed_samples(500, n=40, seed=13)
+    samples = mixed_samples(500, n=20, seed=13)  # 25 samples, 13,152 tokens, 54 MB of states: ~6x the ring
     data = tmp_path / "samples.json"
     data.write_text(json.dumps([{"id": s.id, "line": s.line, "ids": s.input_ids, "mask": s.loss_mask}
                                 for s in samples]))
