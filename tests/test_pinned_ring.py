@@ -236,7 +236,8 @@ def _run(out: Path, stall: bool, stall_s: int = 3, chunk_rows: int = 1 << 20, **
     env.update(extra)
     if stall:
         env.update(VX_FAULT="mid-shard-write:2:stall", VX_FAULT_STALL_S=str(stall_s))
-    r = subprocess.run([sys.executable, "-c", _RUN, str(out), str(chunk_rows)], env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-c", _RUN, str(out), str(chunk_rows)], env=env, capture_output=True,
+                       text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout
 
