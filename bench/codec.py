@@ -35,6 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import write_result  # noqa: E402
 
+from vx.store.codec import planes_codec  # noqa: E402
+
 
 def synthetic_states(tokens: int, layers: int = 5, hidden: int = 5120, seed: int = 0):
     """[T, L, H] float32 residual streams with outlier channels and massive activations."""
@@ -107,7 +109,7 @@ def codecs(itemsize: int) -> dict:
             lambda b, p=params: blosc2.compress2(b, **p), lambda b, n: blosc2.decompress2(b))
     if itemsize == 2:
         out["exp-plane+zstd-1"] = exp_plane_codec(1)
-        out["hi-plane+zstd-fast"] = hi_plane_codec()
+        out["planes"] = planes_codec()  # vx's own (vx/store/codec.py): high bytes by zstd-fast, low raw
         try:
             from zipnn import ZipNN
 
@@ -172,33 +174,6 @@ def gil_share(data: np.ndarray, block: int, enc, seconds: float = 2.0) -> float:
     stop.set()
     t.join()
     return beside / alone
-
-
-def hi_plane_codec():
-    """bf16 split into its high bytes (sign + 7 exponent bits: ~2.5-3 bits of entropy) and low bytes
-    (1 exponent bit + 7 mantissa bits: ~8 of 8, stored raw). Only the high plane is entropy-coded, by
-    zstd's fast strategy with long minimum matches and a small hash table: zstd-1's match finder
-    spends most of its time on these planes' many short repeats for no gain (0.33 GB/s of plane
-    against 0.75 here, the same ratio). Both numpy's strided copies and zstandard release the GIL."""
-    import zstandard
-
-    params = zstandard.ZstdCompressionParameters(window_log=17, hash_log=10, chain_log=10, search_log=1, min_match=7,
-                                                 target_length=0, strategy=zstandard.STRATEGY_FAST)
-    c, d = zstandard.ZstdCompressor(compression_params=params), zstandard.ZstdDecompressor()
-
-    def enc(b: bytes) -> bytes:
-        a = np.frombuffer(b, dtype=np.uint8)
-        ch = c.compress(np.ascontiguousarray(a[1::2]).data)
-        return len(ch).to_bytes(8, "little") + ch + np.ascontiguousarray(a[0::2]).tobytes()
-
-    def dec(b: bytes, n: int) -> bytes:
-        k = int.from_bytes(b[:8], "little")
-        out = np.empty(n, dtype=np.uint8)
-        out[1::2] = np.frombuffer(d.decompress(b[8:8 + k], max_output_size=n // 2), dtype=np.uint8)
-        out[0::2] = np.frombuffer(b, dtype=np.uint8, offset=8 + k)
-        return out.tobytes()
-
-    return enc, dec
 
 
 def measure(data: np.ndarray, block: int, enc, dec, reps: int) -> dict:

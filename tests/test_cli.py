@@ -32,6 +32,13 @@ def test_extract_on_the_embedded_default_from_a_clean_cache(tmp_path):
     assert item["hidden_states"].float().abs().sum() > 0
     insp = vx_cmd("inspect", str(out), "--json")
     assert insp.returncode == 0 and json.loads(insp.stdout)["samples"] == 64
+    # what lossless codecs would save on these very states: measured on the first 4 MB of them
+    codecs = vx_cmd("inspect", str(out), "--codecs", "--codec-mb", "4", "--json")
+    assert codecs.returncode == 0, codecs.stderr
+    got = json.loads(codecs.stdout)
+    assert got["measured_bytes"] == min(4_000_000, ds.num_tokens * 5 * 256 * 2)  # bf16 [T, 5, 256]
+    names = [r["codec"] for r in got["codecs"]]
+    assert names[:2] == ["zstd-1", "planes"] and all(r["lossless"] and r["ratio"] > 1 for r in got["codecs"])
     # rerunning the same command continues: nothing left to do, nothing duplicated
     again = vx_cmd("extract", "examples/chat.jsonl", "-o", str(out), "--backend", "hf", "--json",
                    env={"VX_CACHE_DIR": str(tmp_path / "cache")})

@@ -21,6 +21,8 @@ def inspect(
     stall_after: Annotated[float, typer.Option(help="--watch: flag a partition that has committed nothing for this many seconds.")] = 300.0,
     plot: Annotated[Optional[str], typer.Option(help="Draw tokens/s and MFU over time per partition into this PNG file, from the writers' progress history.")] = None,
     endpoint_url: Annotated[Optional[str], typer.Option(help="S3-compatible endpoint URL for an s3:// output.")] = None,
+    codecs: Annotated[bool, typer.Option("--codecs", help="Measure lossless codecs on this output's own stored states (up to --codec-mb of them, ~1 MiB blocks on one core): ratio, encode and decode GB/s, and that each decodes byte for byte.")] = False,
+    codec_mb: Annotated[float, typer.Option(help="--codecs: MB of stored states to measure on.")] = 64.0,
     json_out: Annotated[bool, typer.Option("--json", help="Print as one JSON object (--watch: one per poll, JSON lines).")] = False,
 ):
     """Summarise an extraction: samples, tokens, shards, bytes, layers, dtype, errors; or watch
@@ -32,6 +34,8 @@ def inspect(
 
       vx inspect out/ --sample 42
 
+      vx inspect out/ --codecs
+
       vx inspect s3://bucket/run1 --watch --stall-after 120
 
       vx inspect s3://bucket/run1 --plot run1.png
@@ -40,6 +44,8 @@ def inspect(
 
     if interval <= 0 or stall_after <= 0:
         raise UsageError("--interval and --stall-after must be > 0 seconds")
+    if codec_mb <= 0:
+        raise UsageError("--codec-mb must be > 0")
     if watch or plot:
         from vx.cli.watch import run_watch
 
@@ -56,6 +62,9 @@ def inspect(
     ds = open_dataset(output)
     if not ds.meta:
         raise UsageError(f"{output} is not a vx output directory (no vx.json)")
+    if codecs:
+        _codecs(ds, int(codec_mb * 1e6), json_out)
+        return
     if sample is not None:
         if sample not in ds:
             raise UsageError(f"no sample with id {sample!r} in {output}")
@@ -80,6 +89,37 @@ def inspect(
             "partitions": len(part_dirs(output))}
     info.update(_stream_state(output, {r["shard"]: r["bytes"] for r in ds.shards}))
     print(json.dumps(info) if json_out else "\n".join(f"{k:16} {v}" for k, v in info.items()))
+
+
+def _codecs(ds, max_bytes: int, json_out: bool) -> None:
+    """Each codec of vx/store/codec.py on the first max_bytes of the output's stored states."""
+    import torch
+
+    from vx.errors import UsageError
+    from vx.store.codec import BLOCK, measure
+    from vx.store.reader import ShardFile
+
+    parts, n, itemsize = [], 0, None
+    for rec in ds.shards:
+        if n >= max_bytes:
+            break
+        h = ShardFile(ds.path / rec["shard"]).tensor("hidden_states")  # [T, L, H] as stored
+        itemsize = h.element_size()
+        raw = h.contiguous().view(torch.uint8).reshape(-1).numpy()[: max_bytes - n]
+        parts.append(raw.tobytes())
+        n += raw.size
+    if not n:
+        raise UsageError(f"{ds.path} holds no stored states to measure")
+    data = b"".join(parts)
+    rows = measure([data[i:i + BLOCK] for i in range(0, len(data), BLOCK)], itemsize)
+    info = {"store_dtype": ds.meta.get("store_dtype"), "measured_bytes": n, "block_bytes": BLOCK, "codecs": rows}
+    if json_out:
+        print(json.dumps(info))
+        return
+    print(f"{n / 1e6:.1f} MB of stored {info['store_dtype']} states, {BLOCK >> 10} KiB blocks, one core:")
+    for r in rows:
+        print(f"  {r['codec']:24s} {r['ratio']:.3f}x  encode {r['encode_gb_s']:.2f} GB/s  decode "
+              f"{r['decode_gb_s']:.2f} GB/s  {'lossless' if r['lossless'] else 'NOT LOSSLESS'}")
 
 
 def _stream_state(output: Path, sizes: dict) -> dict:
