@@ -138,16 +138,21 @@ def _matmul_flops(dtype_name: str, dev: str, n: int, seconds: float) -> float:
     dtype = getattr(torch, dtype_name)
     a = torch.randn(n, n, device=dev, dtype=dtype)
     b = torch.randn(n, n, device=dev, dtype=dtype)
+    # a GPU: 3 warm-up calls, 4 per timed window (launches amortised); a CPU: 1 and 1, since an
+    # emulated bf16 2048^3 matmul takes tens of seconds there (7 of them took 6.5 min)
+    per = 4 if dev == "cuda" else 1
+    for _ in range(3 if dev == "cuda" else 1):
+        a @ b
     best, end = 0.0, time.perf_counter() + seconds
-    a @ b  # first call: allocation and kernel choice
     while time.perf_counter() < end:
         if dev == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
-        a @ b
+        for _ in range(per):
+            a @ b
         if dev == "cuda":
             torch.cuda.synchronize()
-        best = max(best, 2 * n ** 3 / (time.perf_counter() - t))
+        best = max(best, per * 2 * n ** 3 / (time.perf_counter() - t))
     return best
 
 
