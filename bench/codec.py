@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import write_result  # noqa: E402
 
-from vx.store.codec import planes_codec  # noqa: E402
+from vx.store import codec as vx_codec  # noqa: E402
 
 
 def synthetic_states(tokens: int, layers: int = 5, hidden: int = 5120, seed: int = 0):
@@ -87,39 +87,42 @@ def fp8_bytes(x) -> np.ndarray:
 
 
 def codecs(itemsize: int) -> dict:
-    """name -> (encode(bytes) -> bytes, decode(bytes, n) -> bytes), all single-threaded."""
+    """name -> (encode(bytes) -> coded, decode(coded, n) -> bytes), all single-threaded: vx's own
+    (vx/store/codec.py: zstd-1, what --compress blocks uses, zipnn and blosc2 where installed),
+    then the variants only this bench tries."""
     import blosc2
     import zstandard
 
     blosc2.set_nthreads(1)
-    out = {}
-    for level in (1, 3):
-        c, d = zstandard.ZstdCompressor(level=level), zstandard.ZstdDecompressor()
-        out[f"zstd-{level}"] = (c.compress, lambda b, n, d=d: d.decompress(b, max_output_size=n))
+    out = vx_codec.codecs(itemsize)
+    c, d = zstandard.ZstdCompressor(level=3), zstandard.ZstdDecompressor()
+    out["zstd-3"] = (c.compress, lambda b, n: d.decompress(b, max_output_size=n))
     for name, filt, codec, level in (("shuffle+lz4", blosc2.Filter.SHUFFLE, blosc2.Codec.LZ4, 5),
-                                     ("shuffle+zstd-1", blosc2.Filter.SHUFFLE, blosc2.Codec.ZSTD, 1),
                                      ("shuffle+zstd-3", blosc2.Filter.SHUFFLE, blosc2.Codec.ZSTD, 3),
                                      ("bytedelta+zstd-1", blosc2.Filter.BYTEDELTA, blosc2.Codec.ZSTD, 1)):
-        if itemsize == 1 and name != "shuffle+zstd-1":
-            continue
-        params = {"typesize": itemsize, "clevel": level, "codec": codec, "nthreads": 1,
-                  "filters": [blosc2.Filter.SHUFFLE] + ([filt] if filt == blosc2.Filter.BYTEDELTA else []),
-                  "filters_meta": [0, 0] if filt == blosc2.Filter.BYTEDELTA else [0]}
-        out["blosc2 " + (name if itemsize == 2 else "zstd-1")] = (
-            lambda b, p=params: blosc2.compress2(b, **p), lambda b, n: blosc2.decompress2(b))
+        if itemsize == 2:
+            params = {"typesize": itemsize, "clevel": level, "codec": codec, "nthreads": 1,
+                      "filters": [blosc2.Filter.SHUFFLE] + ([filt] if filt == blosc2.Filter.BYTEDELTA else []),
+                      "filters_meta": [0, 0] if filt == blosc2.Filter.BYTEDELTA else [0]}
+            out["blosc2 " + name] = (lambda b, p=params: blosc2.compress2(b, **p), lambda b, n: blosc2.decompress2(b))
     if itemsize == 2:
         out["exp-plane+zstd-1"] = exp_plane_codec(1)
-        out["planes"] = planes_codec()  # vx's own (vx/store/codec.py): high bytes by zstd-fast, low raw
-        try:
-            from zipnn import ZipNN
-
-            z = ZipNN(bytearray_dtype="bfloat16", threads=1, input_format="byte")
-            # zipnn 0.5.4 reorders its input's bytes in place, even an immutable `bytes` (its
-            # output then decodes to the reordered bytes): it gets a copy, inside its time
-            out["zipnn"] = (lambda b: z.compress(bytearray(b)), lambda b, n: z.decompress(b))
-        except Exception as e:  # noqa: BLE001 - a missing or broken optional contender is reported, not fatal
-            print(f"zipnn skipped: {e}", file=sys.stderr)
     return out
+
+
+def threaded_encode(data: np.ndarray, block: int, threads: int, reps: int) -> float:
+    """GB/s of vx's block codec coding every block on `threads` threads, as the shard writer does."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    ours = vx_codec.BlockCodec(2)
+    blocks = [[data[i:i + block]] for i in range(0, data.size, block)]
+    best = float("inf")
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(reps):
+            t = time.perf_counter()
+            list(pool.map(ours.encode, blocks))
+            best = min(best, time.perf_counter() - t)
+    return data.size / best / 1e9
 
 
 def exp_plane_codec(level: int):
@@ -183,10 +186,11 @@ def measure(data: np.ndarray, block: int, enc, dec, reps: int) -> dict:
         t = time.perf_counter()
         coded = [enc(b) for b in blocks]
         best_e = min(best_e, time.perf_counter() - t)
+        coded = [vx_codec.joined(c) for c in coded]  # as a reader gets them: one range of the file
         t = time.perf_counter()
         back = [dec(c, len(b)) for c, b in zip(coded, blocks)]
         best_d = min(best_d, time.perf_counter() - t)
-        if any(bytes(x) != b for x, b in zip(back, blocks)):
+        if any(bytes(memoryview(x).cast("B")) != b for x, b in zip(back, blocks)):
             raise SystemExit("a codec is not lossless")
     n = sum(map(len, blocks))
     return {"ratio": n / sum(map(len, coded)), "encode_gb_s": n / best_e / 1e9, "decode_gb_s": n / best_d / 1e9}
@@ -212,10 +216,14 @@ def main(argv=None):
                 r = measure(data, block, enc, dec, args.reps)
                 if dtype == "bf16" and name == "outliers":
                     r["gil_share"] = gil_share(data, block, enc)
+                if codec == "planes":
+                    r["encode_gb_s_2_threads"] = threaded_encode(data, block, 2, args.reps)
                 table[f"{name}/{dtype}/{codec}"] = dict(r, mb=data.size / 1e6)
                 print(f"{name:12s} {dtype:5s} {codec:22s} ratio {r['ratio']:.3f}  encode {r['encode_gb_s']:.2f} GB/s"
                       f"  decode {r['decode_gb_s']:.2f} GB/s"
-                      + (f"  main thread beside it {r['gil_share']:.0%}" if "gil_share" in r else ""), flush=True)
+                      + (f"  main thread beside it {r['gil_share']:.0%}" if "gil_share" in r else "")
+                      + (f"  2 threads encode {r['encode_gb_s_2_threads']:.2f} GB/s"
+                         if "encode_gb_s_2_threads" in r else ""), flush=True)
     result = {"device": f"cpu-{platform.machine()}", "cpu": platform.processor(), "block_bytes": block,
               "threads": 1, "results": table}
     print(f"wrote {write_result('codec', result, args.out)}", file=sys.stderr)

@@ -10,7 +10,8 @@ sequential write of the same bytes) and to S3 (vx's uploader to a moto server ov
 another process, whose CPU is not counted). For each: GB/s of states through one process (GB of
 bf16 states, what the GPU produced; fp8 writes about half; bounded here by the CPU doing the
 GPU's share), and the host's CPU per GB (every thread but the main one): user (vx's own work)
-apart from system (the write and fsync system calls, the page cache copy). Beside them, what one GPU needs at its compute limit for a
+apart from system (the write and fsync system calls, the page cache copy); locally also with the
+states coded in row blocks (--compress blocks: its threads' CPU counted). Beside them, what one GPU needs at its compute limit for a
 Qwen3.6-27B and a Qwen3.5-4B-class target, and the host cores 8 such GPUs need.
 
     python bench/headroom.py [--gb 2] [--dir /path/on/the/output/disk]
@@ -95,7 +96,7 @@ def step_cache(dtype: str):
                                 list(range(i * per, (i + 1) * per))) for i in range(n)]
 
 
-def writer_run(out: Path, total: int, dtype: str, shard_mb: int, uploader=None) -> int:
+def writer_run(out: Path, total: int, dtype: str, shard_mb: int, uploader=None, compress: str | None = None) -> int:
     """vx's GPU capture path with the CPU in the GPU's place: the main thread submits a full
     step of finished requests at a time to a CaptureSink staging through its ring (gather,
     flags, encoding, copy into a slot), as the forward does; the intake thread checks the flags
@@ -112,7 +113,7 @@ def writer_run(out: Path, total: int, dtype: str, shard_mb: int, uploader=None) 
 
     cache, bs, finished = step_cache(dtype)
     budget = capture_budget(STEP, LAYERS, HIDDEN, dtype, shard_bytes=shard_mb << 20)
-    writer = ShardWriter(out, {"model": "bench"}, shard_mb << 20, 0, LAYERS, HIDDEN, dtype)
+    writer = ShardWriter(out, {"model": "bench"}, shard_mb << 20, 0, LAYERS, HIDDEN, dtype, compress=compress)
     sink = CaptureSink(writer, dtype, torch.device("cpu"), staging="ring", **budget)
     step_bytes = STEP * LAYERS * HIDDEN * 2
     steps = max(1, total // step_bytes)
@@ -123,7 +124,8 @@ def writer_run(out: Path, total: int, dtype: str, shard_mb: int, uploader=None) 
         raise RuntimeError(f"the synthetic states failed vx's checks: {writer.rejected[0]}")
     if uploader is not None:
         uploader.finish()
-    _LAST.update(zero_copy_rows=sink.zero_copy_rows, copied_rows=sink.copied_rows, ring_waits=sink.ring_waits)
+    _LAST.update(zero_copy_rows=sink.zero_copy_rows, copied_rows=sink.copied_rows, ring_waits=sink.ring_waits,
+                 stored_over_raw=round(writer.committed_bytes / max(1, writer.added_bytes), 4))
     return steps * step_bytes
 
 
@@ -215,17 +217,19 @@ def main(argv=None):
         for where, root in places.items():
             res["runs"][f"raw_write_{where}"] = measured(lambda: raw_write(root / "raw.bin", total))
             for dtype in ("bf16", "fp8"):
-                out = root / f"{where}-{dtype}"
-                out.mkdir()
-                res["runs"][f"vx_{dtype}_{where}"] = dict(measured(lambda: writer_run(out, total, dtype, args.shard_mb)),
-                                                          **_LAST)
-                shutil.rmtree(out)
+                for compress in (None, "blocks"):  # each codec's core-s per GB (the coding threads counted)
+                    out = root / f"{where}-{dtype}"
+                    out.mkdir()
+                    res["runs"][f"vx_{dtype}_{where}" + (f"_{compress}" if compress else "")] = dict(
+                        measured(lambda: writer_run(out, total, dtype, args.shard_mb, compress=compress)), **_LAST)
+                    shutil.rmtree(out)
         for dtype in ("bf16", "fp8"):
             res["runs"][f"vx_{dtype}_s3_moto_http"] = s3_run(places["disk"], total, dtype, args.shard_mb)
     finally:
         for root in places.values():
             shutil.rmtree(root, ignore_errors=True)
-    local = max(r["user_core_s_per_gb"] for k, r in res["runs"].items() if k.startswith("vx_bf16") and "s3" not in k)
+    local = max(r["user_core_s_per_gb"] for k, r in res["runs"].items()
+                if k.startswith("vx_bf16") and "s3" not in k and "blocks" not in k)
     s3 = res["runs"]["vx_bf16_s3_moto_http"]["user_core_s_per_gb"]
     res["goal_user_core_s_per_gb_bf16"] = 0.3
     res["vx_bf16_local_user_core_s_per_gb"] = local

@@ -47,7 +47,7 @@ def test_what_the_parser_catches_is_usage_and_exit_2(argv, capsys):
     (["extract", "examples/chat.jsonl", "-o", "s3://"], "is not an s3://bucket/prefix URL"),
     (["extract", "examples/chat.jsonl", "--upload", "s3:/bucket"], "is not an s3://bucket/prefix URL"),
     (["extract", "examples/chat.jsonl", "--layers", "1,x"], "--layers must be comma-separated integers"),
-    (["extract", "examples/chat.jsonl", "--compress", "lz4"], "--compress must be zstd"),
+    (["extract", "examples/chat.jsonl", "--compress", "lz4"], "--compress must be blocks or zstd"),
     (["extract", "examples/chat.jsonl", "--dtype", "fp64"], "--dtype must be one of"),
     (["regenerate", "examples/chat.jsonl", "--metrics-port", "-5"], "--metrics-port must be a TCP port"),
     (["inspect", "s3://bucket/run", "--watch", "--interval", "0"], "--interval and --stall-after must be > 0"),

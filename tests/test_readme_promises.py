@@ -1,4 +1,4 @@
-"""What the README and docs/ promise, each through the real `vx` command: store dtypes and zstd on both
+"""What the README and docs/ promise, each through the real `vx` command: store dtypes and both codings (zstd files, coded row blocks) on both
 backends (the vLLM worker's own writer included), refusal of another model, hidden size or store
 dtype on the same output, --strict, and kill -9 of a vLLM run that writes to S3, after which
 `vx verify` recomputes every sample, the redone ones included (the vLLM worker's writer staging at
@@ -51,14 +51,14 @@ def worst_cosine(ds, model_dir) -> float:
 
 
 @pytest.mark.parametrize("backend", ["hf", "vllm"])
-def test_store_dtypes_and_zstd_round_trip_through_the_cli(backend, tmp_path, tiny_model):
+def test_store_dtypes_and_both_codings_round_trip_through_the_cli(backend, tmp_path, tiny_model):
     from safetensors import safe_open
 
     data = write_jsonl(tmp_path / "d.jsonl", ROWS)
     stored = {"fp16": "torch.float16", "fp32": "torch.float32", "fp8": "torch.float8_e4m3fn"}
-    cases = [("fp16", None, 0.9998), ("fp32", None, 0.9998), ("fp8", "zstd", 0.99)]
-    if backend == "vllm":  # the worker's writer casts as the driver's does (fp16, fp32 run on hf): one engine
-        cases = [c for c in cases if c[0] == "fp8"]
+    cases = [("fp16", None, 0.9998), ("fp32", None, 0.9998), ("fp8", "zstd", 0.99), ("bf16", "blocks", 0.9998)]
+    if backend == "vllm":  # the worker's writer casts and codes as the driver's does: one engine, fp8 in blocks
+        cases = [("fp8", "blocks", 0.99)]
     # independent runs, started at once (an engine's start is mostly its processes' imports),
     # each vLLM engine with a small share of host memory
     runs = [subprocess.Popen(
@@ -73,10 +73,16 @@ def test_store_dtypes_and_zstd_round_trip_through_the_cli(backend, tmp_path, tin
         assert rc == 0, stderr[-3000:]
         assert json.loads(stdout)["samples"] == len(ROWS)
         shards = sorted(out.glob("shard-*"))
-        assert shards and all(f.name.endswith(".zst") == bool(compress) for f in shards)
+        assert shards and all(f.name.endswith(".zst") == (compress == "zstd") for f in shards)
         if not compress:  # the bytes on disk are in the store dtype
             with safe_open(str(shards[0]), "pt") as f:
                 assert str(f.get_tensor("hidden_states").dtype) == stored[dtype]
+        if compress == "blocks":  # coded rows: a safetensors file of fewer bytes than the states
+            with safe_open(str(shards[0]), "pt") as f:
+                coded = f.get_tensor("hidden_states.blocks")
+            ds = vx.open_dataset(out)
+            assert coded.dtype == torch.uint8 and coded.numel() < ds.num_tokens * len(LAYERS) * ds.meta["hidden_size"] \
+                * (1 if dtype == "fp8" else 2)
         ds = vx.open_dataset(out)
         assert ds.meta["store_dtype"] == dtype and ds.layer_ids == LAYERS
         cos = worst_cosine(ds, tiny_model)

@@ -53,7 +53,7 @@ class ExtractConfig:
     max_local_gb: float | None = None        # local shard bytes bound (backpressure)
     keep_local: bool = False
     retain_gb: float | None = None           # follow readers: delete consumed shards, hold at most this many GB
-    compress: str | None = None              # None or "zstd": whole-shard compression
+    compress: str | None = None              # None, "blocks" (vx/store/blocks.py) or "zstd" (whole shards)
     # scale-out
     data_parallel_size: int = 1              # engines on this node, one per GPU group (CPU: per core group)
     gpus: list[int] | None = None            # GPU ids to use, in groups of tensor_parallel_size
@@ -97,8 +97,10 @@ class ExtractConfig:
             from vx.s3_client import parse_s3_url
 
             parse_s3_url(self.upload)
-        if self.compress not in (None, "zstd"):
-            raise UsageError(f"--compress must be zstd (or omitted), got {self.compress!r}")
+        if self.compress not in (None, "blocks", "zstd"):
+            raise UsageError(f"--compress must be blocks or zstd (or omitted), got {self.compress!r}")
+        if self.compress == "blocks" and self.store_dtype == "fp32":
+            raise UsageError("--compress blocks codes bf16, fp16 and fp8 states; with --store-dtype fp32 use zstd")
         if self.max_local_gb is not None and self.max_local_gb <= 0:
             raise UsageError(f"--max-local-gb must be > 0, got {self.max_local_gb}")
         if self.retain_gb is not None and self.retain_gb <= 0:

@@ -13,7 +13,8 @@
    where the device's peak is known.
 6. Backpressure and fp8, on the same engine: the samples again, stored fp8, through a ring cut to
    the copies in flight with the writer started only once the forward has waited for space (a
-   slow disk or S3, compressed in time), every sample against the reference under fp8's bound.
+   slow disk or S3, compressed in time), coded in row blocks (--compress blocks), every sample
+   against the reference under fp8's bound.
 7. The one-pass mode (vx extract --regenerate) on a few conversations, sampled: its stored ids
    against the template's rendering of what it regenerated, its states against the HF reference
    (vx/pipeline/selftest_one_pass.py).
@@ -212,7 +213,8 @@ def _run_vx(model_dir, layers, samples, info, out: Path, common: dict,
             ticker.stop()
         wall = time.perf_counter() - t
         stressed = ex.run(samples, stress_out, output(stress_out, "fp8"), 1 << 20, 0, info.hidden_size, "fp8",
-                          on_reject=lambda s, why: rejected.append((s.id, why)), backpressure_s=WRITER_HOLD_S)
+                          compress="blocks", on_reject=lambda s, why: rejected.append((s.id, why)),
+                          backpressure_s=WRITER_HOLD_S)
     finally:
         ex.close()
     if rejected:
@@ -337,9 +339,14 @@ def _compare(report: SelftestReport, out: Path, stressed_out: Path, stressed: di
         report.failures.append("fp8 through a full ring: the ring never filled (the forward never waited), so the "
                                "backpressure path went untested; rerun with more --samples")
     cos, diff = min(w["min_cosine"] for w in worst), max(w["max_rel_diff"] for w in worst)
+    from vx.store.blocks import coded_sizes
+
+    raw, coded = coded_sizes(stressed_out)
     report.row("backpressure", f"fp8 through a {stressed.get('ring_bytes', 0) / 2**20:,.1f} MiB ring (the copies in "
                                f"flight only), the writer started once it was full: {waits} waits, {spills} spills; "
+                               f"states coded in blocks (--compress blocks) {raw / max(1, coded):.3f}x smaller; "
                                f"worst cosine {cos:.6f}, max |diff| {diff:.3g} x max |ref| (fp8 bound: cosine >= "
                                f"{fp8.min_cosine}, max |diff| <= {fp8.max_rel_diff})")
     report.result.update(backpressure={"ring_bytes": stressed.get("ring_bytes", 0), "ring_waits": waits,
-                                       "ring_spills": spills, "min_cosine": cos, "max_rel_diff": diff})
+                                       "ring_spills": spills, "min_cosine": cos, "max_rel_diff": diff,
+                                       "coded_ratio": raw / max(1, coded)})

@@ -6,7 +6,8 @@ A shard `shard-NNNNN.safetensors` holds N samples packed along the token axis:
   loss_mask     [sum T]        uint8
   offsets       [N + 1]        int64   sample i is rows offsets[i]:offsets[i+1]
 Its safetensors metadata (all strings): format="vx-shard-1", sample_ids (JSON list), model,
-layer_ids (JSON list), hidden_size, num_layers, store_dtype, vx_version.
+layer_ids (JSON list), hidden_size, num_layers, store_dtype, vx_version. With --compress blocks
+hidden_states is stored coded in blocks of rows instead (vx/store/blocks.py).
 
 A shard is written under a temp name, fsynced, renamed, and only then recorded by one line in
 `manifest.jsonl` (fsynced): that line is the commit, with the shard's size and CRC64-NVME. Readers trust the manifest alone, so a torn
@@ -57,9 +58,14 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_safetensors(path: Path, tensors: dict[str, list[torch.Tensor]], shapes: dict[str, list[int]],
+def _nbytes(p) -> int:
+    return p.numel() * p.element_size() if isinstance(p, torch.Tensor) else memoryview(p).nbytes
+
+
+def write_safetensors(path: Path, tensors: dict[str, list], shapes: dict[str, list[int]],
                       metadata: dict[str, str], compress: str | None = None) -> tuple[int, str]:
-    """Write a safetensors file whose tensors are given as lists of contiguous CPU pieces.
+    """Write a safetensors file whose tensors are given as lists of contiguous CPU pieces (tensors,
+or buffers of bytes for a U8 tensor).
 
     Streams the pieces (no concatenated copy), fsyncs, returns (bytes, CRC64-NVME as S3 writes it:
     vx/store/checksum.py), computed on each piece as it goes out (~23 GB/s, inline).
@@ -67,9 +73,9 @@ def write_safetensors(path: Path, tensors: dict[str, list[torch.Tensor]], shapes
     header: dict = {"__metadata__": metadata}
     offset = 0
     for name, pieces in tensors.items():
-        nbytes = sum(p.numel() * p.element_size() for p in pieces)
-        header[name] = {"dtype": _ST_DTYPE[pieces[0].dtype] if pieces else "U8", "shape": shapes[name],
-                        "data_offsets": [offset, offset + nbytes]}
+        nbytes = sum(_nbytes(p) for p in pieces)
+        header[name] = {"dtype": _ST_DTYPE[pieces[0].dtype] if pieces and isinstance(pieces[0], torch.Tensor)
+                        else "U8", "shape": shapes[name], "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
@@ -102,7 +108,8 @@ def _buffers(head: bytes, tensors: dict[str, list[torch.Tensor]]):
     yield memoryview(head)
     for pieces in tensors.values():
         for p in pieces:
-            yield memoryview(p.contiguous().view(torch.uint8).numpy())
+            yield memoryview(p.contiguous().view(torch.uint8).numpy()) if isinstance(p, torch.Tensor) else \
+                memoryview(p).cast("B")
 
 
 # A partition's own output directory under the root: part-00003-of-00008/

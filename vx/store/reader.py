@@ -4,19 +4,22 @@ Only shards recorded in manifest.jsonl are visible. A partitioned run (data para
 --partition-index) keeps one shard sequence and manifest per partition under part-*/; they are
 read as one dataset, each shard's path relative to the root. Tensors are views into a private
 (copy-on-write) mmap of the shard file: nothing is read until it is touched. fp8 shards are
-dequantized to bf16 on access (that one is a copy).
+dequantized to bf16 on access (that one is a copy); coded shards (--compress blocks) decode the
+blocks that hold a sample's rows on access.
 """
 
 from __future__ import annotations
 
 import json
 import mmap
+import os
 from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset
 
-from vx.errors import UsageError
+from vx.errors import UsageError, VxError
+from vx.store import blocks
 from vx.store.encoding import decode
 from vx.store.format import DROPPED, RUN_META, output_dirs, read_manifest
 
@@ -39,12 +42,83 @@ class ShardFile:
                 self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         n = int.from_bytes(self._mm[:8], "little")
         header = json.loads(bytes(self._mm[8: 8 + n]))
-        self.metadata = header.pop("__metadata__", {})
-        self.entries = header
+        self.metadata = header.get("__metadata__", {})
+        self.entries = blocks.entries(header)  # coded states (--compress blocks) under their own name
         self._base = 8 + n
 
     def tensor(self, name: str) -> torch.Tensor:
-        return tensor_at(self._mm, self._base, self.entries[name])
+        """The whole tensor: a view, or, coded, decoded into memory."""
+        e = self.entries[name]
+        return self.rows(name, 0, e["shape"][0]) if "coded" in e else tensor_at(self._mm, self._base, e)
+
+    def rows(self, name: str, a: int, b: int) -> torch.Tensor:
+        """Rows a..b: a view, or, coded, only their blocks decoded."""
+        e = self.entries[name]
+        if "coded" not in e:
+            return tensor_at(self._mm, self._base, e)[a:b]
+        start = self._base + e["data_offsets"][0]
+        return blocks.read_rows(e, a, b, lambda lo, hi: memoryview(self._mm)[start + lo:start + hi])
+
+
+class ShardHeader:
+    """A shard's tensor table and sample offsets, read once; rows are then read with pread straight
+    into the caller's buffer (one copy from the page cache, no mapping faults); coded rows (--compress
+    blocks) read their blocks' bytes at once and decode into it. Shards compressed whole (--compress
+    zstd) are decompressed into memory instead."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        if path.name.endswith(".zst"):
+            self.file, self.fd = ShardFile(path), None
+            self.entries = self.file.entries
+        else:
+            self.file, self.fd = None, os.open(path, os.O_RDONLY)
+            n = int.from_bytes(os.pread(self.fd, 8, 0), "little")
+            self.entries, self._base = blocks.entries(json.loads(os.pread(self.fd, n, 8))), 8 + n
+        self.offsets = self.rows("offsets", 0, len(self) + 1, None) if self.file is None else self.file.tensor("offsets")
+
+    def __len__(self) -> int:
+        return self.entries["offsets"]["shape"][0] - 1
+
+    def rows(self, name: str, a: int, b: int, out):
+        """Rows a..b of tensor `name` into `out` (a uint8-compatible tensor of the right size), or a new tensor."""
+        e = self.entries[name]
+        dtype, shape = _TORCH_DTYPE[e["dtype"]], e["shape"]
+        if self.file is not None:
+            src = self.file.tensor(name)[a:b]
+            if out is None:
+                return src.clone()
+            out.copy_(src)
+            return out
+        row = dtype.itemsize
+        for d in shape[1:]:
+            row *= d
+        if out is None:
+            out = torch.empty([b - a, *shape[1:]], dtype=dtype)
+        if self.fd is None:  # closed by the LRU while a batch still needed it
+            self.fd = os.open(self.path, os.O_RDONLY)
+        if "coded" in e:  # --compress blocks: the blocks that hold the rows, read at once and decoded
+            at = self._base + e["data_offsets"][0]
+            return blocks.read_rows(e, a, b, lambda lo, hi: self._pread(at + lo, hi - lo), out)
+        view = memoryview(out.view(torch.uint8).numpy()).cast("B") if out.numel() else memoryview(b"")
+        self._pread(self._base + e["data_offsets"][0] + a * row, len(view), view)
+        return out
+
+    def _pread(self, start: int, n: int, view: memoryview | None = None) -> memoryview:
+        """n bytes at `start` into view (or a new buffer), however many reads it takes."""
+        view = memoryview(bytearray(n)) if view is None else view
+        done = 0
+        while done < n:
+            got = os.preadv(self.fd, [view[done:]], start + done)
+            if got <= 0:
+                raise VxError(f"{self.path}: shard shorter than its header says")
+            done += got
+        return view
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 def tensor_at(buf, base: int, entry: dict) -> torch.Tensor:
@@ -131,8 +205,8 @@ class VxDataset(Dataset):
             "id": self.ids[i],
             "input_ids": shard.tensor("input_ids")[a:b],
             "loss_mask": shard.tensor("loss_mask")[a:b],
-            "hidden_states": decode(shard.tensor("hidden_states")[a:b],
-                                    shard.tensor("hidden_scales")[a:b] if "hidden_scales" in shard.entries else None),
+            "hidden_states": decode(shard.rows("hidden_states", a, b),
+                                    shard.rows("hidden_scales", a, b) if "hidden_scales" in shard.entries else None),
         }
 
     def __getstate__(self):  # picklable for DataLoader workers: maps are reopened lazily

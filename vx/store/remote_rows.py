@@ -1,6 +1,6 @@
 """Rows of an S3 output read in place, by ranged GETs: a sample's states, scales and ids are each
-one contiguous span of its shard, so a row costs two or three GETs of exactly its bytes, and no
-local disk. A shard's sha256 only checks a whole shard, so each row is checked against its own
+one contiguous span of its shard, so a row costs two or three GETs of exactly its bytes (coded
+states, --compress blocks: of the blocks that hold them), and no local disk. A shard's sha256 only checks a whole shard, so each row is checked against its own
 digest (`row_digest`), made when the output was indexed from a shard that passed its sha256.
 """
 
@@ -14,6 +14,7 @@ import torch
 
 from vx.errors import VxError
 from vx.s3_client import S3Target, make_client, parse_s3_url
+from vx.store import blocks
 from vx.store.encoding import decode
 from vx.store.reader import tensor_at
 
@@ -60,12 +61,11 @@ class RemoteRows:
             head = self._get(shard, 0, 8)
             n = int.from_bytes(head, "little") if len(head) == 8 else 0
             try:
-                entries = json.loads(bytes(self._get(shard, 8, 8 + n))) if 0 < n < 100 << 20 else None
-            except ValueError:
+                entries = blocks.entries(json.loads(bytes(self._get(shard, 8, 8 + n)))) if 0 < n < 100 << 20 else None
+            except (ValueError, KeyError, TypeError, AttributeError):
                 entries = None
             if not isinstance(entries, dict) or "hidden_states" not in entries:
                 return None  # not a shard any more: its rows fail their digests
-            entries.pop("__metadata__", None)
             self._headers[shard] = entries, 8 + n
             while len(self._headers) > self.HEADERS:
                 self._headers.popitem(last=False)
@@ -84,9 +84,15 @@ class RemoteRows:
             if name not in entries:
                 continue
             e = entries[name]
+            start = base + e["data_offsets"][0]
+            if "coded" in e:  # --compress blocks: one GET of the blocks that hold the rows
+                try:
+                    got[name] = blocks.read_rows(e, a, b, lambda lo, hi: self._get(shard, start + lo, start + hi))
+                except Exception:  # noqa: BLE001 - short or changed bytes: not the rows that were indexed
+                    return None
+                continue
             row = e["data_offsets"][1] - e["data_offsets"][0]
             row //= max(1, e["shape"][0])
-            start = base + e["data_offsets"][0]
             body = self._get(shard, start + a * row, start + b * row) if b > a else bytearray()
             if len(body) != (b - a) * row:
                 return None

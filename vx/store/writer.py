@@ -12,6 +12,7 @@ import os
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +30,8 @@ from vx.store.format import (
     write_safetensors,
 )
 from vx.store.lock import WRITER_LOCK, try_lock
+
+CODEC_THREADS = 2  # per writer (one per engine): ~0.8-1.7 GB/s of bf16 states coded (docs/performance.md)
 
 
 def _pieces(x) -> list[torch.Tensor]:
@@ -98,6 +101,8 @@ class ShardWriter:
         self._error: BaseException | None = None
         self._closed = False
         self.thread_cpu_s = 0.0
+        # the threads that code blocks (--compress blocks; the codec releases the GIL)
+        self._pool = ThreadPoolExecutor(CODEC_THREADS, thread_name_prefix="vx-codec") if compress == "blocks" else None
         self._thread = threading.Thread(target=self._run, name="vx-shard-writer", daemon=True)
         self._thread.start()
 
@@ -205,6 +210,8 @@ class ShardWriter:
             shard = self._queue.get()
             if shard is None:
                 self.thread_cpu_s = time.thread_time()  # this thread's CPU seconds (vx selftest shows them)
+                if self._pool is not None:
+                    self._pool.shutdown()
                 return
             if self._error is not None:
                 shard.drop_holds()
@@ -260,6 +267,13 @@ class ShardWriter:
                   "loss_mask": [s.tokens], "offsets": [len(lengths) + 1]}
         if s.scales:
             tensors["hidden_scales"], shapes["hidden_scales"] = s.scales, [s.tokens, self.layer_count]
+        if self.compress == "blocks":  # lossless per ~1 MiB of rows, rows still a byte range (vx/store/blocks.py)
+            from vx.store.blocks import code_rows
+
+            coded, info = code_rows(tensors.pop("hidden_states"), shapes.pop("hidden_states"), self._pool)
+            tensors = {info["tensor"]: coded, **tensors}
+            shapes[info["tensor"]] = [info["index"][-1]]
+            meta["coded"] = json.dumps({"hidden_states": info}, separators=(",", ":"))
         nbytes, crc = write_safetensors(tmp, tensors, shapes, meta, self.compress)
         faults.point("before-rename")
         os.rename(tmp, self.out_dir / name)

@@ -25,72 +25,13 @@ from pathlib import Path
 from vx.errors import VxError
 from vx.store import checksum
 from vx.store.checksum import ALGO
-from vx.store.reader import ShardFile
+from vx.store.reader import ShardHeader
 
 OPEN_FILES = 8  # mapped shards kept open per reader
 
 
 class ShardCorrupt(VxError):
     """A shard whose bytes do not match its manifest's checksum: never read."""
-
-
-class ShardHeader:
-    """A shard's tensor table and sample offsets, read once; rows are then read with pread straight
-    into the caller's buffer (one copy from the page cache, no mapping faults). Compressed shards
-    are decompressed into memory instead."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        if path.name.endswith(".zst"):
-            self.file, self.fd = ShardFile(path), None
-            self.entries = self.file.entries
-        else:
-            self.file, self.fd = None, os.open(path, os.O_RDONLY)
-            n = int.from_bytes(os.pread(self.fd, 8, 0), "little")
-            import json
-
-            header = json.loads(os.pread(self.fd, n, 8))
-            header.pop("__metadata__", None)
-            self.entries, self._base = header, 8 + n
-        self.offsets = self.rows("offsets", 0, len(self) + 1, None) if self.file is None else self.file.tensor("offsets")
-
-    def __len__(self) -> int:
-        return self.entries["offsets"]["shape"][0] - 1
-
-    def rows(self, name: str, a: int, b: int, out):
-        """Rows a..b of tensor `name` into `out` (a uint8-compatible tensor of the right size), or a new tensor."""
-        import torch
-
-        from vx.store.reader import _TORCH_DTYPE
-
-        e = self.entries[name]
-        dtype, shape = _TORCH_DTYPE[e["dtype"]], e["shape"]
-        if self.file is not None:
-            src = self.file.tensor(name)[a:b]
-            if out is None:
-                return src.clone()
-            out.copy_(src)
-            return out
-        row = dtype.itemsize
-        for d in shape[1:]:
-            row *= d
-        if out is None:
-            out = torch.empty([b - a, *shape[1:]], dtype=dtype)
-        if self.fd is None:  # closed by the LRU while a batch still needed it
-            self.fd = os.open(self.path, os.O_RDONLY)
-        view = memoryview(out.view(torch.uint8).numpy()).cast("B") if out.numel() else memoryview(b"")
-        start, done = self._base + e["data_offsets"][0] + a * row, 0
-        while done < len(view):
-            got = os.preadv(self.fd, [view[done:]], start + done)
-            if got <= 0:
-                raise VxError(f"{self.path}: shard shorter than its header says")
-            done += got
-        return out
-
-    def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
 
 
 class LocalShards:

@@ -68,9 +68,10 @@ class VxTransfer(HiddenStatesTransfer):
         self.cache_dir, self.cache_gb = cache_dir, cache_gb
         if s3_read not in ("auto", "shards", "rows"):
             raise UsageError(f"--vx-s3-read must be auto, shards or rows, got {s3_read!r}")
-        packed = self.source.get("compress", "none") != "none"  # a compressed shard has no byte range per row
+        packed = self.source.get("compress", "none") == "zstd"  # a shard compressed whole has no byte range per row
         if s3_read == "rows" and packed:
-            raise UsageError("--vx-s3-read rows needs uncompressed shards; this output is compressed: use shards")
+            raise UsageError("--vx-s3-read rows needs shards with row byte ranges; this output's are zstd "
+                             "files: use shards")
         if s3_read == "auto":  # whole shards when the cache holds the output: each is then fetched once
             s3_read = "shards" if packed or cache_gb * 1e9 >= self.source.get("bytes", float("inf")) else "rows"
         self.s3_read = s3_read
