@@ -13,7 +13,7 @@ import vx
 from vx.store import blocks
 from vx.store.format import read_manifest
 from vx.store.output import prepare_output
-from vx.store.reader import ShardFile, ShardHeader
+from vx.store.reader import ShardFile, ShardHeader, coded_sizes
 from vx.store.writer import ShardWriter
 
 L, H = 3, 16
@@ -89,6 +89,8 @@ def test_state_like_bf16_codes_to_under_three_quarters_of_its_bytes(tmp_path):
     raw = sum(r["bytes"] for r in write(tmp_path / "raw", rows, "bf16", None, shard_bytes=10**9))
     coded = sum(r["bytes"] for r in write(tmp_path / "coded", rows, "bf16", "blocks", shard_bytes=10**9))
     assert coded < 0.75 * raw, coded / raw
+    states, stored = coded_sizes(tmp_path / "coded")  # what vx selftest reports: the states alone
+    assert states == sum(len(r[1]) for r in rows) * L * H * 2 and stored < 0.7 * states
 
 
 def test_rows_from_s3_are_one_range_of_blocks_and_changed_bytes_are_refused(pair):

@@ -339,7 +339,7 @@ def _compare(report: SelftestReport, out: Path, stressed_out: Path, stressed: di
         report.failures.append("fp8 through a full ring: the ring never filled (the forward never waited), so the "
                                "backpressure path went untested; rerun with more --samples")
     cos, diff = min(w["min_cosine"] for w in worst), max(w["max_rel_diff"] for w in worst)
-    from vx.store.blocks import coded_sizes
+    from vx.store.reader import coded_sizes
 
     raw, coded = coded_sizes(stressed_out)
     report.row("backpressure", f"fp8 through a {stressed.get('ring_bytes', 0) / 2**20:,.1f} MiB ring (the copies in "

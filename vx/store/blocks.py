@@ -119,23 +119,3 @@ def read_rows(entry: dict, a: int, b: int, read, out: torch.Tensor | None = None
             dst[(lo - a) * row:(hi - a) * row] = tmp[(lo - r0) * row:(hi - r0) * row]
     return out
 
-
-def coded_sizes(out_dir) -> tuple[int, int]:
-    """(bytes the committed shards' coded states stand for, bytes they take) under an output."""
-    from pathlib import Path
-
-    from vx.store.format import output_dirs, read_manifest
-    from vx.store.reader import ShardHeader
-
-    raw = coded = 0
-    for d in output_dirs(Path(out_dir)):
-        for rec in read_manifest(d):
-            h = ShardHeader(d / rec["shard"])
-            for e in h.entries.values():
-                if "coded" in e:
-                    n = _DTYPE[e["dtype"]].itemsize
-                    for k in e["shape"]:
-                        n *= k
-                    raw, coded = raw + n, coded + e["data_offsets"][1] - e["data_offsets"][0]
-            h.close()
-    return raw, coded

@@ -121,6 +121,22 @@ class ShardHeader:
             self.fd = None
 
 
+def coded_sizes(out_dir) -> tuple[int, int]:
+    """(bytes the committed shards' coded states stand for, bytes they take) under an output."""
+    raw = coded = 0
+    for d in output_dirs(Path(out_dir)):
+        for rec in read_manifest(d):
+            h = ShardHeader(d / rec["shard"])
+            for e in h.entries.values():
+                if "coded" in e:
+                    n = _TORCH_DTYPE[e["dtype"]].itemsize
+                    for k in e["shape"]:
+                        n *= k
+                    raw, coded = raw + n, coded + e["data_offsets"][1] - e["data_offsets"][0]
+            h.close()
+    return raw, coded
+
+
 def tensor_at(buf, base: int, entry: dict) -> torch.Tensor:
     """The tensor a safetensors header entry describes, viewed in buf (its data starting at base)."""
     start, end = entry["data_offsets"]
