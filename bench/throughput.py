@@ -15,6 +15,7 @@ Modes, interleaved (A B C D E, A B C D E, ...) and reported as medians over reps
                 max_model_len, prefix caching (not on CPU, where vLLM cannot run its default for a
                 hybrid model) and dtype instead of vx's; --step does not apply to it
   vx-vllm       vx --backend vllm: the same method + vx's connector, shards written in the worker
+  vx-vllm-blocks  the same engine, its shards coded in row blocks (--compress blocks)
 The vLLM modes run once per --compile pass (eager: --enforce-eager; compiled: vLLM's default
 torch.compile, and CUDA graphs on a GPU); ratios compare modes within one pass.
 Data: real public chat conversations (../shared/data/chat) tokenized with the real Qwen3.6
@@ -163,9 +164,10 @@ def close_engines(engines) -> None:
             eng.llm_engine.engine_core.shutdown()
 
 
-def run_vx_vllm(ex, samples, hidden, out: Path):
-    stats = ex.run(samples, out, {"model": "bench"}, SHARD_BYTES, 0, hidden, "bf16")
-    return {"computed_tokens": sum(len(s) for s in samples), "bytes": stats.get("bytes", 0)}
+def run_vx_vllm(ex, samples, hidden, out: Path, compress: str | None = None):
+    stats = ex.run(samples, out, {"model": "bench"}, SHARD_BYTES, 0, hidden, "bf16", compress=compress)
+    stored = sum(f.stat().st_size for f in out.glob("shard-*"))
+    return {"computed_tokens": sum(len(s) for s in samples), "bytes": stats.get("bytes", 0), "stored_bytes": stored}
 
 
 def timed(fn, *args):
@@ -228,7 +230,10 @@ def main(argv=None):
     print(f"matmul peak: {peak / 1e12:.3f} TFLOP/s", file=sys.stderr)
 
     model = load_hf_model(model_dir, "bfloat16") if {"hf-naive", "hf-hooks"} & set(modes) else None
-    vllm_modes = [m for m in modes if m.startswith(("vllm-", "vx-"))]
+    # vx-vllm-blocks: vx's engine again, its shards coded in row blocks (--compress blocks)
+    vllm_modes = [m for m in modes if m.startswith(("vllm-", "vx-")) and m != "vx-vllm-blocks"]
+    if "vx-vllm-blocks" in modes and "vx-vllm" not in vllm_modes:
+        vllm_modes.append("vx-vllm")
     if vllm_modes:
         from vx.device import engine_env
 
@@ -244,7 +249,8 @@ def main(argv=None):
             engines = vllm_engines(vllm_modes, model_dir, layer_ids, compile_mode == "eager", tmp / "builtin",
                                    samples[:8], overrides={"max_num_batched_tokens": args.step} if args.step else None
                                    ) if vllm_modes else {}
-            pass_modes = [m for m in modes if m in engines or (i == 0 and m.startswith("hf-"))]
+            pass_modes = [m for m in modes if m in engines or (i == 0 and m.startswith("hf-"))
+                          or (m == "vx-vllm-blocks" and "vx-vllm" in engines)]
             try:
                 for rep in range(args.reps):
                     for m in pass_modes:
@@ -259,6 +265,8 @@ def main(argv=None):
                             r = timed(run_vllm_bare, engines[m], samples)
                         elif m.startswith("vllm-builtin"):
                             r = timed(run_vllm_builtin, engines[m], samples, out)
+                        elif m == "vx-vllm-blocks":
+                            r = timed(run_vx_vllm, engines["vx-vllm"], samples, info.hidden_size, out, "blocks")
                         else:
                             r = timed(run_vx_vllm, engines[m], samples, info.hidden_size, out)
                         runs.setdefault(key, []).append(r)
@@ -284,9 +292,11 @@ def main(argv=None):
             "output_mb_per_s": statistics.median(r["bytes"] for r in rs) / wall / 1e6,
             "mfu": flops / wall / peak, "wall_s_runs": [round(r["wall_s"], 3) for r in rs],
         }
+        if rs[0].get("stored_bytes"):
+            table[m]["stored_bytes"] = rs[0]["stored_bytes"]
     for m in table:
         suffix = m[m.index("/"):] if "/" in m else "/" + passes[0]
-        for base in ("hf-naive", "vllm-bare", "vllm-builtin", "vllm-builtin-defaults"):
+        for base in ("hf-naive", "vllm-bare", "vllm-builtin", "vllm-builtin-defaults", "vx-vllm"):
             ref = base if base.startswith("hf-") else base + suffix
             if ref in table:
                 table[m][f"x_{base}"] = table[m]["samples_per_s"] / table[ref]["samples_per_s"]
@@ -305,14 +315,14 @@ def main(argv=None):
 
 def print_table(result) -> None:
     cols = ["samples/s", "tokens/s", "pad eff", "RSS +GB", "out MB/s", "MFU", "x hf-naive", "x vllm-bare",
-            "x builtin", "x defaults"]
+            "x builtin", "x defaults", "x vx-vllm"]
     print(f"{'mode':30s} " + " ".join(f"{c:>11s}" for c in cols))
     for m, r in result["modes"].items():
         vals = [f"{r['samples_per_s']:.2f}", f"{r['tokens_per_s']:.0f}", f"{r['padding_efficiency']:.3f}",
                 f"{r['rss_growth_gb']:.2f}", f"{r['output_mb_per_s']:.1f}", f"{r['mfu'] * 100:.2f}%",
                 f"{r.get('x_hf-naive', float('nan')):.2f}", f"{r.get('x_vllm-bare', float('nan')):.3f}",
                 f"{r.get('x_vllm-builtin', float('nan')):.3f}",
-                f"{r.get('x_vllm-builtin-defaults', float('nan')):.3f}"]
+                f"{r.get('x_vllm-builtin-defaults', float('nan')):.3f}", f"{r.get('x_vx-vllm', float('nan')):.3f}"]
         print(f"{m:30s} " + " ".join(f"{v:>11s}" for v in vals))
     if result.get("rss_scaling_vx_vllm"):
         print("vx-vllm peak RSS growth by dataset size:", json.dumps(result["rss_scaling_vx_vllm"]))

@@ -2,8 +2,8 @@
 are still one byte range of the shard (`vx extract --compress blocks`).
 
 The states [T, L, H] are cut into blocks of R = max(1, BLOCK // row bytes) rows (the last one
-shorter), each coded on its own (vx/store/codec.py BlockCodec: byte planes for bf16/fp16, zstd's
-fast strategy for fp8). In the shard they replace the `hidden_states` tensor:
+shorter), each coded on its own (vx/store/codec.py BlockCodec: byte planes for bf16/fp16,
+zstd-1 for fp8). In the shard they replace the `hidden_states` tensor:
   hidden_states.blocks  U8 [coded bytes]  the coded blocks, one after the other
 and the metadata key "coded" = JSON {"hidden_states": {"tensor": "hidden_states.blocks", "dtype",
 "shape", "codec", "block_rows": R, "index": [B + 1 byte offsets into that tensor]}}. The header

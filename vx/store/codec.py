@@ -9,7 +9,7 @@ decode(bytes, n) -> bytes.
                bits, ~8 of 8) stored raw. numpy's strided copies and zstandard release the GIL.
   zipnn, blosc2  where installed (`pip install zipnn blosc2`): both hold the GIL while they code
 `BlockCodec` is what shards use (`--compress blocks`, vx/store/blocks.py): planes for 2-byte
-dtypes, zstd's fast strategy for fp8, both GIL-free, coding from a block's pieces in place and
+dtypes, zstd-1 for fp8, both GIL-free, coding from a block's pieces in place and
 decoding into the reader's buffer.
 """
 
@@ -26,9 +26,11 @@ BLOCK = 1 << 20
 def _zstd_fast():
     import zstandard
 
-    # long minimum matches and a small hash table: zstd-1's match finder spends most of its time on
-    # a plane's many short repeats for no gain (bench/codec.py: 0.33 against 0.75 GB/s of plane)
-    params = zstandard.ZstdCompressionParameters(window_log=17, hash_log=10, chain_log=10, search_log=1, min_match=7,
+    # long minimum matches and the smallest hash table: on a plane of ~20 distinct bytes, zstd-1's
+    # match finder spends most of its time on short, useless repeats (bench/codec.py: 0.33 against
+    # 0.75 GB/s of plane), and a larger table only adds cache misses (64 entries: 2x faster than 1,024
+    # on N(0, 3) states, and as small)
+    params = zstandard.ZstdCompressionParameters(window_log=17, hash_log=6, chain_log=6, search_log=1, min_match=7,
                                                  target_length=0, strategy=zstandard.STRATEGY_FAST)
     return zstandard.ZstdCompressor(compression_params=params), zstandard.ZstdDecompressor()
 
@@ -40,12 +42,16 @@ class BlockCodec:
     def __init__(self, itemsize: int):
         if itemsize not in (1, 2):
             raise ValueError(f"blocks code 1- and 2-byte store dtypes, not {itemsize}-byte ones")
-        self.name = "planes" if itemsize == 2 else "zstd-fast"
+        self.name = "planes" if itemsize == 2 else "zstd-1"
         self._local = threading.local()
 
     def _ctx(self):
         if not hasattr(self._local, "c"):
-            self._local.c, self._local.d = _zstd_fast()
+            import zstandard
+
+            # fp8: zstd-1 over the block (as small as zstd's fast strategy and 10-15% faster, measured)
+            self._local.c, self._local.d = _zstd_fast() if self.name == "planes" else \
+                (zstandard.ZstdCompressor(level=1), zstandard.ZstdDecompressor())
         return self._local.c, self._local.d
 
     def encode(self, pieces: list[np.ndarray]) -> list:
@@ -53,23 +59,29 @@ class BlockCodec:
         to write one after the other."""
         c, _ = self._ctx()
         n = sum(len(p) for p in pieces)
-        if self.name == "zstd-fast":
+        if self.name == "zstd-1":
             z = c.compressobj(size=n)
             return [b"".join([z.compress(p.data) for p in pieces] + [z.flush()])]
-        hi, lo, at = np.empty(n // 2, np.uint8), np.empty(n // 2, np.uint8), 0
+        hi = self._scratch(n // 2)  # this thread's, reused: only what is returned is new memory
+        lo, at = np.empty(n // 2, np.uint8), 0
         for p in pieces:  # little-endian 2-byte values: low, high, low, high, ...
-            u = p.view(np.uint16)
-            hi[at:at + len(u)] = u >> 8  # a shift and a narrowing cast: ~3x numpy's strided copy
-            lo[at:at + len(u)] = u
+            u = p.view(np.uint16)  # a shift and a narrowing cast: ~3x numpy's strided copies
+            np.right_shift(u, 8, out=hi[at:at + len(u)], casting="unsafe")
+            np.copyto(lo[at:at + len(u)], u, casting="unsafe")
             at += len(u)
         h = c.compress(hi.data)
         return [len(h).to_bytes(8, "little") + h, lo]
+
+    def _scratch(self, n: int) -> np.ndarray:
+        if getattr(self._local, "scratch", None) is None or len(self._local.scratch) < n:
+            self._local.scratch = np.empty(n, np.uint8)
+        return self._local.scratch[:n]
 
     def decode(self, coded, out: np.ndarray) -> None:
         """A block's coded bytes -> `out` (uint8, the block's size), in place."""
         _, d = self._ctx()
         coded, n = memoryview(coded).cast("B"), len(out)
-        if self.name == "zstd-fast":
+        if self.name == "zstd-1":
             out[:] = np.frombuffer(d.decompress(coded, max_output_size=n), np.uint8)
             return
         k = int.from_bytes(coded[:8], "little")
@@ -85,7 +97,7 @@ def codecs(itemsize: int) -> dict:
 
     c, d = zstandard.ZstdCompressor(level=1), zstandard.ZstdDecompressor()
     out = {"zstd-1": (c.compress, lambda b, n: d.decompress(b, max_output_size=n))}
-    ours = BlockCodec(itemsize)  # what --compress blocks does: "planes" (2 bytes) or "zstd-fast" (fp8)
+    ours = BlockCodec(itemsize)  # what --compress blocks does: "planes" (2 bytes), or zstd-1 as above (fp8)
     out[ours.name] = (lambda b: ours.encode([np.frombuffer(b, np.uint8)]), _into(ours.decode))
     if itemsize == 2:
         try:
