@@ -120,7 +120,8 @@ def train(index: Path, model_dir: Path, target: list[int], steps: int, seed: int
         max_retries=args.max_retries, generation_validation_retries=args.generation_validation_retries,
         max_consecutive_generation_failures=args.max_consecutive_generation_failures,
         hidden_size=model.config.transformer_layer_config.hidden_size, num_target_layers=len(model.target_layer_ids),
-        num_workers=0, prefetch_factor=args.prefetch_factor, preprocess=None, train_data_ratio=1.0, seed=seed)
+        num_workers=0, prefetch_factor=args.prefetch_factor, preprocess=None, train_data_ratio=args.train_data_ratio,
+        seed=seed)
     kwargs, _ = model_class.get_trainer_kwargs(**vars(args))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
     model.train()
