@@ -6,7 +6,8 @@ decode(bytes, n) -> bytes.
   zstd-1       the whole block; what `--compress zstd` does to a shard
   planes       2-byte dtypes: the high bytes (sign + 7 exponent bits, ~2.5-3 bits of entropy)
                entropy-coded by zstd's fast strategy, the low bytes (1 exponent bit + 7 mantissa
-               bits, ~8 of 8) stored raw. numpy's strided copies and zstandard release the GIL.
+               bits, ~8 of 8) stored raw; split by a shift and a narrowing cast. numpy's ufuncs
+               and zstandard release the GIL.
   zipnn, blosc2  where installed (`pip install zipnn blosc2`): both hold the GIL while they code
 `BlockCodec` is what shards use (`--compress blocks`, vx/store/blocks.py): planes for 2-byte
 dtypes, zstd-1 for fp8, both GIL-free, coding from a block's pieces in place and

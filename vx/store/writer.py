@@ -31,7 +31,7 @@ from vx.store.format import (
 )
 from vx.store.lock import WRITER_LOCK, try_lock
 
-CODEC_THREADS = 2  # per writer (one per engine): ~0.8-1.7 GB/s of bf16 states coded (docs/performance.md)
+CODEC_THREADS = 2  # per writer (one per engine): ~0.9-1.5 GB/s of bf16 states coded here (docs/performance.md)
 
 
 def _pieces(x) -> list[torch.Tensor]:
