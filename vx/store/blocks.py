@@ -23,10 +23,11 @@ import numpy as np
 import torch
 
 from vx.store.codec import BLOCK, BlockCodec
+from vx.store.format import _ST_DTYPE
 
 CODED = "coded"  # the shard metadata key
 BLOCK_BYTES = BLOCK  # rows per block: as many as fit in this (tests make it small to cross blocks)
-_DTYPE = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F8_E4M3": torch.float8_e4m3fn}
+_DTYPE = {v: k for k, v in _ST_DTYPE.items()}  # safetensors dtype name -> torch dtype
 
 
 _CODECS: dict[int, BlockCodec] = {}
@@ -47,7 +48,7 @@ def code_rows(pieces: list[torch.Tensor], shape: list[int], pool: ThreadPoolExec
     hidden_states.blocks in order, its "coded" description). Blocks are coded on `pool`'s threads
     (the codec releases the GIL) or on this one."""
     dtype = pieces[0].dtype
-    st_dtype = next(k for k, v in _DTYPE.items() if v == dtype)
+    st_dtype = _ST_DTYPE[dtype]
     row = dtype.itemsize
     for d in shape[1:]:
         row *= d
