@@ -72,6 +72,23 @@ class RemoteRows:
         self._headers.move_to_end(shard)
         return self._headers[shard]
 
+    def tensors(self, shard: str, names) -> dict | None:
+        """Whole uncoded tensors of a shard (its offsets, ids or masks: a few bytes per token), one GET
+        each; None when the shard's header is unreadable or a tensor is short."""
+        header = self.header(shard)
+        if header is None:
+            return None
+        entries, base = header
+        got = {}
+        for name in names:
+            e = entries[name]
+            a, b = base + e["data_offsets"][0], base + e["data_offsets"][1]
+            body = self._get(shard, a, b) if b > a else bytearray()
+            if len(body) != b - a:
+                return None
+            got[name] = tensor_at(body, 0, dict(e, data_offsets=[0, b - a]))
+        return got
+
     def get(self, shard: str, a: int, b: int, digest: str) -> dict | None:
         if shard.endswith(".zst"):
             raise VxError(f"{shard}: a compressed shard has no byte ranges per row; read it through the cache")
