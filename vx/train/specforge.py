@@ -80,7 +80,7 @@ class VxFeatures:
                     keep.append(f"{self.output}{ROW}{int(self.cat.start[s]) + row}{SUFFIX}")
                 else:
                     self.left_out += 1
-        if self.left_out:
+        if self.left_out and os.environ.get("RANK", "0") == "0":
             within = f" in their first {self.max_len} tokens" if self.max_len else ""
             print(f"vx: {self.left_out} of {self.cat.num_samples} samples have no two consecutive supervised "
                   f"tokens{within} (SpecForge's DFlash normalizer refuses them): left out", file=sys.stderr)
@@ -178,6 +178,13 @@ def load_feature_file(path: str) -> dict[str, torch.Tensor]:
     return _state["outputs"][output].load(int(rest.removesuffix(SUFFIX)))
 
 
+def use_layers(layers: list[int]) -> None:
+    """The target layers (vx ids) a record's hidden_states holds, in order: what SpecForge's DFlash
+    draft reads. The training command records them when SpecForge builds its draft; call this when
+    you assemble SpecForge's loader yourself."""
+    _state["layers"] = [int(k) for k in layers]
+
+
 def _record_layers(build):
     def build_dflash_draft(cfg, draft_config, kernels):
         draft = build(cfg, draft_config, kernels)
@@ -191,6 +198,9 @@ def _record_layers(build):
                                  "dflash_config.target_layer_ids in the draft config (model.draft_model_config) to "
                                  "stored layers, or extract these with vx extract --layers")
         _state["layers"] = layers
+        if path and is_output(path) and os.environ.get("RANK", "0") == "0":
+            print(f"vx: SpecForge's DFlash draft reads target layers {layers} (vx ids: the outputs of those decoder "
+                  f"layers) of {path}", file=sys.stderr)
         return draft
     return build_dflash_draft
 
