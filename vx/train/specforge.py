@@ -28,30 +28,21 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
-from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from vx.errors import UsageError, VxError
-from vx.store.encoding import decode
-from vx.store.format import RUN_META
 from vx.store.reader import ShardHeader
-from vx.train.epoch_plan import Catalog
+from vx.train.rows import OutputRows, is_output
 
 ROW = "#vx-row="
 SUFFIX = ".ckpt"
 ENV = {"cache_dir": "VX_SPECFORGE_CACHE_DIR", "cache_gb": "VX_SPECFORGE_CACHE_GB",
        "endpoint_url": "VX_SPECFORGE_ENDPOINT_URL"}  # options reach self-launched ranks through these
-OPEN_HEADERS = 4  # shard headers each loader thread keeps open
 
 _state: dict = {"layers": None, "max_len": None, "dtype": torch.bfloat16, "outputs": {}, "original": {}}
-
-
-def is_output(path: str) -> bool:
-    return str(path).startswith("s3://") or (Path(path) / RUN_META).is_file()
 
 
 class VxFeatures:
@@ -60,14 +51,11 @@ class VxFeatures:
 
     def __init__(self, output: str, max_len: int | None):
         self.output, self.max_len = output, max_len
-        remote = output.startswith("s3://")
-        self.cat = Catalog(output if remote else str(Path(output).resolve()), os.environ.get(ENV["endpoint_url"]))
-        self.stored = list(self.cat.meta.get("layer_ids", []))
-        self._lock, self._local = threading.Lock(), threading.local()
-        self._shards = None
+        self.rows = OutputRows(output, os.environ.get(ENV["endpoint_url"]), os.environ.get(ENV["cache_dir"]),
+                               float(os.environ.get(ENV["cache_gb"], "20")), tag="specforge")
+        self.cat, self.stored = self.rows.cat, self.rows.stored
         self.left_out = 0
 
-    # listing -----------------------------------------------------------------------------------
     def paths(self) -> list[str]:
         """One path per sample SpecForge can train on, in the output's order."""
         keep = []
@@ -104,59 +92,14 @@ class VxFeatures:
             raise VxError(f"{self.cat.path}/{rec['shard']}: not the shard its manifest lists (unreadable header)")
         return got["offsets"].numpy(), got["loss_mask"].numpy().astype(bool)
 
-    # loading -----------------------------------------------------------------------------------
     def load(self, index: int) -> dict[str, torch.Tensor]:
         layers = _state["layers"]
         if layers is None:
             raise VxError("SpecForge read a sample before it built its DFlash draft model: vx cannot tell which "
                           "target layers to hand out (only training.strategy=dflash is served)")
-        pos = [self.stored.index(k) for k in layers]
-        s, row = int(self.cat.shard_of[index]), int(self.cat.row[index])
-        h = self._header(s)
-        a, b = int(h.offsets[row]), int(h.offsets[row + 1])
-        if self.max_len is not None:
-            b = min(b, a + self.max_len)
-        scales = h.rows("hidden_scales", a, b, None) if "hidden_scales" in h.entries else None
-        states = decode(h.rows("hidden_states", a, b, None), scales)                 # [T, L, H]
-        picked = states if pos == list(range(len(self.stored))) else states[:, pos]  # [T, n, H]
-        return {"input_ids": h.rows("input_ids", a, b, None).long(),               # [T]
-                "loss_mask": h.rows("loss_mask", a, b, None).long(),               # [T]
-                "hidden_states": picked.reshape(1, b - a, -1).to(_state["dtype"])}  # [1, T, n*H]
-
-    def _header(self, s: int) -> ShardHeader:
-        """This thread's open header of shard s; the shard is checked (local) or fetched and checked
-        (S3) once for all threads."""
-        mine = getattr(self._local, "headers", None)
-        if mine is None:
-            mine = self._local.headers = OrderedDict()
-        if s in mine:
-            mine.move_to_end(s)
-            return mine[s]
-        with self._lock:
-            shards = self._shards or self._open_shards()
-            shards.get(s)  # raises ShardCorrupt (a VxError) for a shard that fails its checksum
-            path = shards.path(s)
-        mine[s] = ShardHeader(path)
-        while len(mine) > OPEN_HEADERS:
-            mine.popitem(last=False)[1].close()
-        return mine[s]
-
-    def _open_shards(self):
-        from vx.train.shard_cache import LocalShards, S3Shards
-
-        if not self.cat.remote:
-            self._shards = LocalShards(Path(self.cat.path), self.cat.shards)
-        else:
-            import hashlib
-            import tempfile
-
-            base = Path(os.environ.get(ENV["cache_dir"]) or Path(tempfile.gettempdir()) / "vx-loader-cache")
-            key = hashlib.sha256(self.cat.path.encode()).hexdigest()[:12]
-            gb = float(os.environ.get(ENV["cache_gb"], "20"))
-            self._shards = S3Shards(self.cat.path, self.cat.endpoint_url, self.cat.shards,
-                                    base / key / f"specforge-r{os.environ.get('RANK', '0')}", int(gb * 1e9),
-                                    plan=[], prefetch=1, concurrency=8)
-        return self._shards
+        ids, mask, states = self.rows.read(index, layers, self.max_len)  # [T], [T], [T, n, H]
+        return {"input_ids": ids.long(), "loss_mask": mask.long(),
+                "hidden_states": states.reshape(1, states.shape[0], -1).to(_state["dtype"])}  # [1, T, n*H]
 
 
 # SpecForge's two functions, and what vx wraps around them ------------------------------------------
