@@ -25,6 +25,24 @@ from vx.train.epoch_plan import Catalog
 OPEN_HEADERS = 4  # shard headers each reading thread keeps open
 
 
+def options_to_env(args: list[str], env: dict[str, str]) -> list[str]:
+    """`args` without the `--vx-NAME VALUE` options named by `env` ({name: variable}), each value
+    set as its variable (ranks a trainer launches itself inherit it). Raises UsageError for a flag
+    without its value."""
+    from vx.errors import UsageError
+
+    args = list(args)
+    for name, var in env.items():
+        flag = "--vx-" + name.replace("_", "-")
+        while flag in args:
+            i = args.index(flag)
+            if i + 1 >= len(args):
+                raise UsageError(f"{flag} needs a value")
+            os.environ[var] = args.pop(i + 1)
+            args.pop(i)
+    return args
+
+
 def is_output(path) -> bool:
     """Whether `path` names a vx output (an s3:// URL is taken for one; its manifests then say)."""
     return str(path).startswith("s3://") or (Path(path) / RUN_META).is_file()

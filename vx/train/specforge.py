@@ -35,7 +35,7 @@ import torch
 
 from vx.errors import UsageError, VxError
 from vx.store.reader import ShardHeader
-from vx.train.rows import OutputRows, is_output
+from vx.train.rows import OutputRows, is_output, options_to_env
 
 ROW = "#vx-row="
 SUFFIX = ".ckpt"
@@ -179,7 +179,7 @@ def install() -> None:
         from specforge.runtime.data_plane import feature_store, offline_reader
     except ImportError as e:
         raise ImportError("vx's SpecForge route needs SpecForge: pip install --no-deps specforge==0.2.0 "
-                          "(docs/training.md lists its light runtime dependencies)") from e
+                          "(docs/specforge.md lists its light runtime dependencies)") from e
     _state["original"] = {"list_feature_files": offline_reader.list_feature_files,
                           "load_feature_file": feature_store.load_feature_file}
     offline_reader.list_feature_files = list_feature_files
@@ -192,15 +192,11 @@ def install() -> None:
 def main(argv: list[str] | None = None) -> int:
     """`python -m vx.train.specforge train -c cfg.yaml [--vx-cache-gb G] [--vx-cache-dir D]
     [--vx-endpoint-url U] [section.field=value ...]`: SpecForge's command line, reading vx outputs."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    for name, var in ENV.items():
-        flag = "--vx-" + name.replace("_", "-")
-        while flag in args:
-            i = args.index(flag)
-            if i + 1 >= len(args):
-                raise SystemExit(f"vx: {flag} needs a value")
-            os.environ[var] = args.pop(i + 1)
-            args.pop(i)
+    try:
+        args = options_to_env(sys.argv[1:] if argv is None else argv, ENV)
+    except UsageError as e:
+        print(f"vx: {e}", file=sys.stderr)
+        return e.exit_code
     install()
     from specforge.cli import main as specforge_main
 
