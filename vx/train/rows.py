@@ -1,11 +1,11 @@
 """Samples of a vx output read by index, for trainers that ask for one sample at a time (SpecForge's
 feature store, ModelOpt's offline dataset): the output's manifests say where each sample is, and its
-rows are read from the shard's bytes alone (pread, coded blocks decoded, fp8 dequantized).
+rows are views of the mapped shard (coded blocks decoded, fp8 dequantized: those are new tensors).
 
 A local shard is checked against its manifest's checksum the first time a sample of it is read; an
 S3 shard is fetched whole into the bounded, checked cache vx.loader uses (vx/train/shard_cache.py)
-and read from there. Reads may come from many threads at once (each keeps its own open headers)
-and from DataLoader workers (a reader is pickled without its open files and reopens them).
+and read from there. Reads may come from many threads at once and from DataLoader workers (a
+reader is pickled without its maps and reopens them).
 """
 
 from __future__ import annotations
@@ -17,12 +17,14 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
+import torch
+
 from vx.store.encoding import decode
 from vx.store.format import RUN_META
-from vx.store.reader import ShardHeader
+from vx.store.reader import ShardFile
 from vx.train.epoch_plan import Catalog
 
-OPEN_HEADERS = 4  # shard headers each reading thread keeps open
+OPEN_MAPS = 16  # shards kept mapped
 
 
 def options_to_env(args: list[str], env: dict[str, str]) -> list[str]:
@@ -62,14 +64,14 @@ class OutputRows:
         self._reset()
 
     def _reset(self) -> None:
-        self._lock, self._local, self._shards = threading.Lock(), threading.local(), None
+        self._lock, self._shards, self._maps = threading.Lock(), None, OrderedDict()
 
     def __len__(self) -> int:
         return self.cat.num_samples
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        for k in ("_lock", "_local", "_shards"):
+        for k in ("_lock", "_shards", "_maps"):
             state.pop(k)
         return state
 
@@ -83,32 +85,32 @@ class OutputRows:
             raise KeyError(f"layers {missing} are not in the output (it holds {self.stored})")
         pos = [self.stored.index(k) for k in layers]
         s, row = int(self.cat.shard_of[index]), int(self.cat.row[index])
-        h = self._header(s)
-        a, b = int(h.offsets[row]), int(h.offsets[row + 1])
+        f, offsets = self._shard(s)
+        a, b = int(offsets[row]), int(offsets[row + 1])
         if limit is not None:
             b = min(b, a + limit)
-        scales = h.rows("hidden_scales", a, b, None) if "hidden_scales" in h.entries else None
-        states = decode(h.rows("hidden_states", a, b, None), scales)                  # [T, L, H]
-        picked = states if pos == list(range(len(self.stored))) else states[:, pos]   # [T, n, H]
-        return h.rows("input_ids", a, b, None), h.rows("loss_mask", a, b, None), picked
+        scales = f.rows("hidden_scales", a, b) if "hidden_scales" in f.entries else None
+        states = decode(f.rows("hidden_states", a, b), scales)  # [T, L, H]: a view of the mapped shard (bf16)
+        if pos == list(range(pos[0], pos[0] + len(pos))):  # a run of stored layers: still a view
+            picked = states[:, pos[0]:pos[0] + len(pos)]                              # [T, n, H]
+        else:  # one copy (cat of slices: ~2x index_select's rate here)
+            picked = torch.cat([states[:, k:k + 1] for k in pos], 1)                 # [T, n, H]
+        return f.rows("input_ids", a, b), f.rows("loss_mask", a, b), picked
 
-    def _header(self, s: int) -> ShardHeader:
-        """This thread's open header of shard s; the shard is checked (local) or fetched and checked
-        (S3) once for all threads. A shard that fails raises ShardCorrupt (a VxError)."""
-        mine = getattr(self._local, "headers", None)
-        if mine is None:
-            mine = self._local.headers = OrderedDict()
-        if s in mine:
-            mine.move_to_end(s)
-            return mine[s]
+    def _shard(self, s: int) -> tuple[ShardFile, list[int]]:
+        """Shard s mapped, with its sample offsets; checked (local) or fetched and checked (S3) once.
+        A shard that fails raises ShardCorrupt (a VxError). Views of a map outlive its eviction."""
         with self._lock:
+            if s in self._maps:
+                self._maps.move_to_end(s)
+                return self._maps[s]
             shards = self._shards or self._open_shards()
             shards.get(s)
-            path = shards.path(s)
-        mine[s] = ShardHeader(path)
-        while len(mine) > OPEN_HEADERS:
-            mine.popitem(last=False)[1].close()
-        return mine[s]
+            f = ShardFile(shards.path(s))
+            self._maps[s] = f, f.tensor("offsets").tolist()
+            while len(self._maps) > OPEN_MAPS:
+                self._maps.popitem(last=False)
+            return self._maps[s]
 
     def _open_shards(self):
         from vx.train.shard_cache import LocalShards, S3Shards
