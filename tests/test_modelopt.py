@@ -140,3 +140,28 @@ def test_an_output_without_the_last_layer_is_refused_with_one_line(tmp_path, tin
     r = subprocess.run([sys.executable, "-m", "vx.train.modelopt", "train.py"], capture_output=True, text=True,
                        timeout=300, cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.strip().startswith("vx: usage: python -m vx.train.modelopt")
+
+
+def test_eagle3_aux_layers_are_recorded_at_convert_and_are_hfs(outputs, tiny_model, fp32_model):
+    """EAGLE-3 hooks its aux layers' outputs (vx ids) in forward order: the dataset hands them out
+    ascending, each HF `hidden_states[id + 1]`. (Its forward on a hybrid GDN target fails inside
+    ModelOpt 0.47's cache handling, so no training steps here.)"""
+    import modelopt.torch.speculative as mtsp
+    from modelopt.torch.speculative.eagle.utils import OfflineSupervisedDataset
+    from modelopt.torch.speculative.plugins.hf_eagle import default_eagle_aux_layer_ids
+    from modelopt.torch.speculative.utils import load_vlm_or_llm
+
+    from vx.engine.reference import bound, compare
+    from vx.train import modelopt
+
+    model = load_vlm_or_llm(str(tiny_model), use_offline_training=True, dtype=torch.float32, device_map="cpu")
+    mtsp.convert(model, [("eagle", {"eagle_offline": True, "eagle_architecture_config": {"num_hidden_layers": 1}})])
+    layers = sorted(default_eagle_aux_layer_ids(8))
+    assert modelopt._state["layers"] == layers == sorted(model.eagle_config.eagle_aux_hidden_state_layer_ids)
+    item = OfflineSupervisedDataset(modelopt.dumped_files(str(outputs["bf16"])))[3]
+    n = item["input_ids"].shape[0]
+    with torch.inference_mode():
+        hs = fp32_model(item["input_ids"][None], output_hidden_states=True).hidden_states
+    limit = bound("qwen3_5", "float32", "bf16")
+    got = item["aux_hidden_states"].view(n, len(layers), -1)
+    assert all(limit.ok(c, r) for c, _, r in compare(got, torch.stack([hs[k + 1][0] for k in layers], 1)))

@@ -1,5 +1,5 @@
-"""ModelOpt trains its DFlash drafter offline on a vx output in place: its own dataset, collator,
-model and trainer, fed from vx's shards; no file is written per sample.
+"""ModelOpt trains its DFlash (or EAGLE-3) drafter offline on a vx output in place: its own
+dataset, collator, model and trainer, fed from vx's shards; no file is written per sample.
 
 ModelOpt (0.47) trains offline from one `{conversation_id}.pt` per sample, read by
 `OfflineSupervisedDataset` (modelopt/torch/speculative/eagle/utils.py) with `torch.load`:
@@ -11,8 +11,9 @@ record, read from the shards (vx/train/rows.py); any other path loads as before,
 dataset class runs unchanged. vx gives:
 - `hidden_states`: vx layer N-1, the output of the last decoder layer before the final norm, with
   `hidden_states_prenorm=True` (ModelOpt re-applies the final norm where it needs logits);
-- `aux_hidden_states`: the layers ModelOpt's DFlash draft reads (`target_layer_ids`, recorded when
-  `mtsp.convert` builds it, or given to `use_layers`); fp8 outputs dequantized.
+- `aux_hidden_states`: the layers ModelOpt's draft reads (DFlash's `target_layer_ids`, EAGLE-3's
+  aux layer ids ascending; recorded when `mtsp.convert` builds it, or given to `use_layers`); fp8
+  outputs dequantized.
 
 `python -m vx.train.modelopt MAIN.py --config RECIPE.yaml [overrides]` runs ModelOpt's example
 trainer (examples/speculative_decoding/main.py of a Model-Optimizer checkout) with this installed:
@@ -93,11 +94,15 @@ class _TorchLoadingVx:
 def _record_layers(convert):
     def convert_recording_layers(model, mode, *args, **kwargs):
         out = convert(model, mode, *args, **kwargs)
-        layers = getattr(model, "target_layer_ids", None)
+        kind, layers = "DFlash", getattr(model, "target_layer_ids", None)
+        eagle = getattr(model, "eagle_config", None)
+        if layers is None and eagle is not None and getattr(eagle, "use_aux_hidden_state", False):
+            # EAGLE-3 hooks its layers' outputs in forward order, so its aux states come ascending
+            kind, layers = "EAGLE-3", sorted(eagle.eagle_aux_hidden_state_layer_ids)
         if layers is not None:
             use_layers(layers)
             if os.environ.get("RANK", "0") == "0":
-                print(f"vx: ModelOpt's DFlash draft reads target layers {list(layers)}", file=sys.stderr)
+                print(f"vx: ModelOpt's {kind} draft reads target layers {list(layers)}", file=sys.stderr)
         return out
     return convert_recording_layers
 
