@@ -64,14 +64,15 @@ class OutputRows:
         self._reset()
 
     def _reset(self) -> None:
-        self._lock, self._shards, self._maps = threading.Lock(), None, OrderedDict()
+        # a forked DataLoader worker starts over: a cache's fetch threads do not survive a fork
+        self._lock, self._shards, self._maps, self._pid = threading.Lock(), None, OrderedDict(), os.getpid()
 
     def __len__(self) -> int:
         return self.cat.num_samples
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        for k in ("_lock", "_shards", "_maps"):
+        for k in ("_lock", "_shards", "_maps", "_pid"):
             state.pop(k)
         return state
 
@@ -100,6 +101,8 @@ class OutputRows:
     def _shard(self, s: int) -> tuple[ShardFile, list[int]]:
         """Shard s mapped, with its sample offsets; checked (local) or fetched and checked (S3) once.
         A shard that fails raises ShardCorrupt (a VxError). Views of a map outlive its eviction."""
+        if self._pid != os.getpid():
+            self._reset()
         with self._lock:
             if s in self._maps:
                 self._maps.move_to_end(s)
