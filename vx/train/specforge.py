@@ -58,7 +58,7 @@ class VxFeatures:
 
     def paths(self) -> list[str]:
         """One path per sample SpecForge can train on, in the output's order."""
-        keep = []
+        keep, self.left_out = [], 0
         for s, rec in enumerate(self.cat.shards):
             offsets, mask = self._masks(s, rec)
             for row in range(len(offsets) - 1):
