@@ -215,6 +215,37 @@ def test_two_ranks_it_launches_train_from_an_s3_output(outputs, tiny_model, tmp_
         server.stop()
 
 
+def test_an_s3_output_of_whole_file_zstd_shards_lists_and_reads_as_the_local_one(outputs, tiny_model, tmp_path):
+    """--compress zstd shards have no byte ranges: their masks come from the cached whole shard."""
+    from s3_faults import free_port
+    from test_s3 import CREDS, start_s3
+
+    from vx.train import specforge
+
+    data = write_jsonl(tmp_path / "d.jsonl", [json.loads(line) for line in open(CHAT)][:10])
+    zst = tmp_path / "zst"
+    r = vx_cmd("extract", str(data), "-o", str(zst), "--backend", "hf", "--layers", "1,2,3,4,5",
+               "--shard-size", "4", "--compress", "zstd")
+    assert r.returncode == 0 and list(zst.glob("*.zst")), r.stderr[-2000:]
+    os.environ.update(CREDS)
+    server, url, client = start_s3(free_port())
+    try:
+        for f in sorted(zst.iterdir()):
+            if f.is_file():
+                client.upload_file(str(f), "vx-out", f"zst/{f.name}")
+        os.environ.update(VX_SPECFORGE_ENDPOINT_URL=url, VX_SPECFORGE_CACHE_DIR=str(tmp_path / "cache"))
+        specforge.use_layers([1, 5])
+        local, remote = features(zst, 512).paths(), features("s3://vx-out/zst", 512).paths()
+        assert [p.replace(str(zst), "s3://vx-out/zst") for p in local] == remote and len(remote) == 10
+        for a, b in zip(local, remote):
+            x, y = specforge.load_feature_file(a), specforge.load_feature_file(b)
+            assert all(torch.equal(x[k], y[k]) for k in ("input_ids", "loss_mask", "hidden_states"))
+    finally:
+        for k in ("VX_SPECFORGE_ENDPOINT_URL", "VX_SPECFORGE_CACHE_DIR"):
+            os.environ.pop(k, None)
+        server.stop()
+
+
 def test_a_corrupt_shard_or_a_wrong_setting_stops_with_one_line(outputs, tiny_model, tmp_path):
     from specforge.runtime.data_plane.feature_store import load_feature_file
 

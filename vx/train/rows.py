@@ -86,7 +86,7 @@ class OutputRows:
             raise KeyError(f"layers {missing} are not in the output (it holds {self.stored})")
         pos = [self.stored.index(k) for k in layers]
         s, row = int(self.cat.shard_of[index]), int(self.cat.row[index])
-        f, offsets = self._shard(s)
+        f, offsets = self.shard(s)
         a, b = int(offsets[row]), int(offsets[row + 1])
         if limit is not None:
             b = min(b, a + limit)
@@ -98,7 +98,7 @@ class OutputRows:
             picked = torch.cat([states[:, k:k + 1] for k in pos], 1)                 # [T, n, H]
         return f.rows("input_ids", a, b), f.rows("loss_mask", a, b), picked
 
-    def _shard(self, s: int) -> tuple[ShardFile, list[int]]:
+    def shard(self, s: int) -> tuple[ShardFile, list[int]]:
         """Shard s mapped, with its sample offsets; checked (local) or fetched and checked (S3) once.
         A shard that fails raises ShardCorrupt (a VxError). Views of a map outlive its eviction."""
         if self._pid != os.getpid():

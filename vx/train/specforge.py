@@ -83,6 +83,9 @@ class VxFeatures:
                 return offsets, h.rows("loss_mask", 0, int(offsets[-1]), None).numpy().astype(bool)
             finally:
                 h.close()
+        if rec["shard"].endswith(".zst"):  # --compress zstd: no byte ranges; the whole shard, through the cache
+            f, offsets = self.rows.shard(s)
+            return np.asarray(offsets), f.tensor("loss_mask").numpy().astype(bool)
         from vx.store.remote_rows import RemoteRows
 
         if getattr(self, "_remote", None) is None:
