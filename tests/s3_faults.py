@@ -1,7 +1,7 @@
 """A small HTTP proxy in front of the S3 server that injects what real object stores do:
 503 SlowDown throttling on a share of requests, and 403 InvalidAccessKeyId for a bad key; it
 also counts the requests that arrive while the server behind it is down, and records every
-request's method and path."""
+request's method, path and User-Agent."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ class FaultyProxy:
         self.upstream_port, self.fail_every, self.bad_key = upstream_port, fail_every, bad_key
         self.requests = self.injected = 0
         self.seen: list[tuple[str, str]] = []  # (method, path) of every request
+        self.agents: list[str] = []  # and its User-Agent (which client sent it)
         self.unreachable = 0  # requests that arrived while the upstream server was down
         self.lock = threading.Lock()
         proxy = self
@@ -44,6 +45,7 @@ class FaultyProxy:
                 with proxy.lock:
                     proxy.requests += 1
                     proxy.seen.append((self.command, self.path))
+                    proxy.agents.append(self.headers.get("User-Agent", ""))
                     n = proxy.requests
                 if proxy.bad_key and f"Credential={proxy.bad_key}/" in self.headers.get("Authorization", ""):
                     return self._reply(403, BAD_KEY)

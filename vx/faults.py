@@ -37,7 +37,7 @@ POINTS = {
     # staging for S3 (vx/store/uploader.py)
     "before-upload": "a committed shard about to be uploaded",
     "mid-upload": "bytes of a shard in transfer",
-    "upload-part": "a multipart upload's part request about to be sent",
+    "upload-part": "a multipart upload's part about to be read and sent",
     "before-multipart-complete": "every part uploaded, the multipart upload not completed",
     "after-upload": "the shard in S3, not in the S3 manifest",
     "before-s3-manifest": "the S3 manifest about to be replaced",

@@ -94,13 +94,20 @@ def upload_args(rec: dict) -> dict:
     return {"Metadata": {"sha256": rec["sha256"]}}  # an older output's shard, resumed
 
 
+def upload_headers(rec: dict) -> dict[str, str]:
+    """upload_args as the PutObject request's headers (the CRT client's upload, vx/store/crt_put.py)."""
+    if ALGO in rec:
+        return {"x-amz-sdk-checksum-algorithm": "CRC64NVME", "x-amz-checksum-crc64nvme": rec[ALGO]}
+    return {"x-amz-meta-sha256": rec["sha256"]}
+
+
 def head_ok(head: dict, rec: dict) -> bool:
     """Whether S3's HEAD of a shard (asked with ChecksumMode=ENABLED) matches its record: size, and
     the checksum S3 computed on receipt (an older record: the sha256 vx put in its metadata)."""
     if head.get("ContentLength") != rec["bytes"]:
         return False
     if ALGO in rec:
-        return head.get(S3_FIELD) == rec[ALGO] and head.get("ChecksumType", "FULL_OBJECT") == "FULL_OBJECT"
+        return head.get(S3_FIELD) == rec[ALGO] and head.get("ChecksumType", "FULL_OBJECT").upper() == "FULL_OBJECT"
     return head.get("Metadata", {}).get("sha256") == rec.get("sha256")
 
 

@@ -2,14 +2,16 @@
 
 The shard writer commits shards locally (manifest line = commit). The uploader, a thread in the
 driver process, tails the local manifest and for each committed shard: multipart upload through
-boto3's transfer manager (S3 checks each part's CRC), verify size and the manifest's CRC64-NVME (kept
-as object metadata), record it in the S3 manifest (flushed every few seconds and at the end),
+awscrt's S3 client in C threads, off the driver's GIL (vx/store/crt_put.py; boto3's transfer
+manager with VX_S3_UPLOAD=boto3), S3 checking the full-object CRC64-NVME on receipt; verify size
+and that checksum by a HEAD; record it in the S3 manifest (flushed every few seconds and at the end),
 and only after that flush delete the local file (unless --keep-local). The S3 prefix then holds
 the layout of a local output directory: shards, manifest.jsonl, errors.jsonl, vx.json.
 
 Backpressure: the writer will not start a shard while local shards would exceed --max-local-gb;
 it waits for the uploader to free space, so nothing is dropped. Retries with backoff for 5xx and
-throttling come from botocore's standard retry mode.
+throttling come from the CRT's (or botocore's) standard retry mode; `upload_retries` counts the
+botocore client's (the CRT does not report its own).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pathlib import Path
 
 from vx import faults
 from vx.errors import VxError
-from vx.store import checksum
+from vx.store import checksum, crt_put
 from vx.s3_client import S3Target, make_client
 from vx.store.format import ERRORS, MANIFEST, RUN_META
 from vx.store.s3 import remote_manifest
@@ -77,6 +79,7 @@ class Uploader:
         self.client = make_client(endpoint_url)
         self.transfer = TransferConfig(multipart_threshold=part_mb << 20, multipart_chunksize=part_mb << 20,
                                        max_concurrency=concurrency)
+        self.crt = crt_put.CrtPut(self.client, part_mb << 20, concurrency) if crt_put.wanted() else None
         self.uploaded: list[dict] = self._remote_manifest()
         self._announced = len(self.uploaded)  # shards before_publish was called for
         self._done = {r["shard"] for r in self.uploaded}
@@ -162,8 +165,13 @@ class Uploader:
         t = time.perf_counter()
         faults.point("before-upload")
         # S3 checks the body against the manifest's CRC64-NVME on receipt and stores it (full object)
-        self.client.upload_file(str(path), self.target.bucket, key, Config=self.transfer,
-                                ExtraArgs=checksum.upload_args(rec), Callback=lambda _: faults.point("mid-upload"))
+        if self.crt is not None:
+            self.crt.put(path, self.target.bucket, key, checksum.upload_headers(rec),
+                         on_part=lambda _: faults.point("upload-part"),
+                         on_progress=_progress_points(rec["bytes"], self.crt.part_bytes))
+        else:
+            self.client.upload_file(str(path), self.target.bucket, key, Config=self.transfer,
+                                    ExtraArgs=checksum.upload_args(rec), Callback=lambda _: faults.point("mid-upload"))
         faults.point("after-upload")
         if not checksum.head_ok(checksum.head(self.client, self.target.bucket, key), rec):
             raise VxError(f"{key}: uploaded object does not match the manifest (size or {checksum.which(rec)})")
@@ -209,6 +217,23 @@ class Uploader:
         if self.error is not None:
             raise VxError(f"upload to {self.target} failed: {self.error}") from self.error
         return {"uploaded_bytes": self.bytes, "upload_mb_s": self.bytes / self.seconds / 1e6 if self.seconds else 0.0}
+
+
+def _progress_points(size: int, part_bytes: int):
+    """`mid-upload` at each report of bytes sent by the CRT client, and `before-multipart-complete`
+    at the report of the last bytes of a multipart upload. The client has no hook before it sends
+    the completion and may send it while that report runs: a kill there leaves an open upload with
+    every part, or a complete object not in the S3 manifest; a rerun recovers either (the open
+    upload is aborted, the shard uploaded again). (`upload-part` runs before each part's bytes are
+    read, vx/store/crt_put.py.)"""
+    sent = [0]
+
+    def progress(n: int) -> None:
+        sent[0] += n
+        faults.point("mid-upload")
+        if size > part_bytes and sent[0] >= size:
+            faults.point("before-multipart-complete")
+    return progress
 
 
 def _upload_part_point(**_) -> None:
