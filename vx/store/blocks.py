@@ -23,11 +23,10 @@ import numpy as np
 import torch
 
 from vx.store.codec import BLOCK, BlockCodec
-from vx.store.format import _ST_DTYPE
+from vx.store.format import ST_DTYPE, TORCH_DTYPE, row_bytes
 
 CODED = "coded"  # the shard metadata key
 BLOCK_BYTES = BLOCK  # rows per block: as many as fit in this (tests make it small to cross blocks)
-_DTYPE = {v: k for k, v in _ST_DTYPE.items()}  # safetensors dtype name -> torch dtype
 
 
 _CODECS: dict[int, BlockCodec] = {}
@@ -48,10 +47,8 @@ def code_rows(pieces: list[torch.Tensor], shape: list[int], pool: ThreadPoolExec
     hidden_states.blocks in order, its "coded" description). Blocks are coded on `pool`'s threads
     (the codec releases the GIL) or on this one."""
     dtype = pieces[0].dtype
-    st_dtype = _ST_DTYPE[dtype]
-    row = dtype.itemsize
-    for d in shape[1:]:
-        row *= d
+    st_dtype = ST_DTYPE[dtype]
+    row = row_bytes(dtype, shape)
     rows_per = block_rows(row)
     codec = _codec(dtype.itemsize)
     flat = [p.contiguous().view(torch.uint8).reshape(-1).numpy() for p in pieces if p.numel()]
@@ -93,10 +90,8 @@ def entries(header: dict) -> dict:
 def read_rows(entry: dict, a: int, b: int, read, out: torch.Tensor | None = None) -> torch.Tensor:
     """Rows a..b of a coded entry into `out` (or a new tensor). read(lo, hi) -> the bytes lo..hi of
     the coded tensor (relative to its data start): called once, for the blocks that hold the rows."""
-    dtype, shape, c = _DTYPE[entry["dtype"]], entry["shape"], entry["coded"]
-    row = dtype.itemsize
-    for d in shape[1:]:
-        row *= d
+    dtype, shape, c = TORCH_DTYPE[entry["dtype"]], entry["shape"], entry["coded"]
+    row = row_bytes(dtype, shape)
     if out is None:
         out = torch.empty([b - a, *shape[1:]], dtype=dtype)
     if b <= a:

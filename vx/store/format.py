@@ -31,8 +31,17 @@ ERRORS = "errors.jsonl"
 RUN_META = "vx.json"
 SHARD_FORMAT = "vx-shard-1"
 
-_ST_DTYPE = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int32: "I32",
-             torch.uint8: "U8", torch.int64: "I64", torch.float8_e4m3fn: "F8_E4M3"}
+ST_DTYPE = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int32: "I32",
+            torch.uint8: "U8", torch.int64: "I64", torch.float8_e4m3fn: "F8_E4M3"}  # torch -> safetensors name
+TORCH_DTYPE = {v: k for k, v in ST_DTYPE.items()}  # and back (the readers')
+
+
+def row_bytes(dtype: torch.dtype, shape) -> int:
+    """Bytes of one row (index along the first dim) of a tensor of `shape`."""
+    n = dtype.itemsize
+    for d in shape[1:]:
+        n *= d
+    return n
 
 
 def shard_name(index: int, compress: str | None = None) -> str:
@@ -74,7 +83,7 @@ or buffers of bytes for a U8 tensor).
     offset = 0
     for name, pieces in tensors.items():
         nbytes = sum(_nbytes(p) for p in pieces)
-        header[name] = {"dtype": _ST_DTYPE[pieces[0].dtype] if pieces and isinstance(pieces[0], torch.Tensor)
+        header[name] = {"dtype": ST_DTYPE[pieces[0].dtype] if pieces and isinstance(pieces[0], torch.Tensor)
                         else "U8", "shape": shapes[name], "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()

@@ -21,10 +21,7 @@ from torch.utils.data import Dataset
 from vx.errors import UsageError, VxError
 from vx.store import blocks
 from vx.store.encoding import decode
-from vx.store.format import DROPPED, RUN_META, output_dirs, read_manifest
-
-_TORCH_DTYPE = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I32": torch.int32,
-                "U8": torch.uint8, "I64": torch.int64, "F8_E4M3": torch.float8_e4m3fn}
+from vx.store.format import DROPPED, RUN_META, TORCH_DTYPE, output_dirs, read_manifest, row_bytes
 
 
 class ShardFile:
@@ -83,16 +80,14 @@ class ShardHeader:
     def rows(self, name: str, a: int, b: int, out):
         """Rows a..b of tensor `name` into `out` (a uint8-compatible tensor of the right size), or a new tensor."""
         e = self.entries[name]
-        dtype, shape = _TORCH_DTYPE[e["dtype"]], e["shape"]
+        dtype, shape = TORCH_DTYPE[e["dtype"]], e["shape"]
         if self.file is not None:
             src = self.file.tensor(name)[a:b]
             if out is None:
                 return src.clone()
             out.copy_(src)
             return out
-        row = dtype.itemsize
-        for d in shape[1:]:
-            row *= d
+        row = row_bytes(dtype, shape)
         if out is None:
             out = torch.empty([b - a, *shape[1:]], dtype=dtype)
         if self.fd is None:  # closed by the LRU while a batch still needed it
@@ -129,9 +124,7 @@ def coded_sizes(out_dir) -> tuple[int, int]:
             h = ShardHeader(d / rec["shard"])
             for e in h.entries.values():
                 if "coded" in e:
-                    n = _TORCH_DTYPE[e["dtype"]].itemsize
-                    for k in e["shape"]:
-                        n *= k
+                    n = row_bytes(TORCH_DTYPE[e["dtype"]], e["shape"]) * e["shape"][0]
                     raw, coded = raw + n, coded + e["data_offsets"][1] - e["data_offsets"][0]
             h.close()
     return raw, coded
@@ -142,7 +135,7 @@ def tensor_at(buf, base: int, entry: dict) -> torch.Tensor:
     start, end = entry["data_offsets"]
     raw = torch.frombuffer(buf, dtype=torch.uint8, count=end - start, offset=base + start) \
         if end > start else torch.empty(0, dtype=torch.uint8)
-    return raw.view(_TORCH_DTYPE[entry["dtype"]]).reshape(entry["shape"])
+    return raw.view(TORCH_DTYPE[entry["dtype"]]).reshape(entry["shape"])
 
 
 class VxDataset(Dataset):

@@ -153,10 +153,10 @@ class Loader(IterableDataset):
         spec = heads[0].entries if heads else {}
         fp8 = "hidden_scales" in spec
 
-        from vx.store.reader import _TORCH_DTYPE
+        from vx.store.format import TORCH_DTYPE
 
         names = ("input_ids", "loss_mask", "hidden_states") + (("hidden_scales",) if fp8 else ())
-        shapes = {n: ([total, *spec[n]["shape"][1:]], _TORCH_DTYPE[spec[n]["dtype"]]) for n in names}
+        shapes = {n: ([total, *spec[n]["shape"][1:]], TORCH_DTYPE[spec[n]["dtype"]]) for n in names}
         if pin:  # CUDA's pinned host allocator caches its blocks
             out = {n: torch.empty(shape, dtype=dt, pin_memory=True) for n, (shape, dt) in shapes.items()}
         else:
