@@ -1,7 +1,7 @@
 """What fp8 storage costs a drafter: per-channel error, and the same DFlash drafter trained on bf16
 and on fp8 states.
 
-    python bench/fp8_drafter.py [--samples 160] [--steps 120]
+    python bench/fp8_drafter.py [--samples 160] [--steps 120] [--draft-vocab 4096]
 
 1. Per-channel error of vx's fp8 (e4m3, one scale per token and layer: amax / 448) against the
    same states in bf16, on outlier channels and on ordinary ones, beside MX-style scales (one per
@@ -13,7 +13,9 @@ and on fp8 states.
    on real chat samples, extracted by `vx extract --backend hf --layers speculators-dflash` in bf16
    and in fp8, exported with `vx export --to speculators`, then the same DFlash drafter trained by
    speculators' own model, loss and loader (its Trainer's step on CPU: autocast bf16, AdamW, grad
-   clip 1.0), same seed, same batches, same steps: both loss curves.
+   clip 1.0), same seed, same batches, same steps: both loss curves. The drafter's vocabulary is
+   the samples' --draft-vocab most frequent tokens, mapped by speculators' own code from a
+   token_freq.pt written beside each index (the full 248k-token head does not train on a CPU).
 Writes bench/results/fp8-drafter-<device>-<date>-<time>.json and prints both.
 """
 
@@ -93,10 +95,28 @@ def exported(work: Path, model: Path, samples: int) -> dict:
            "--layers", "speculators-dflash", "--store-dtype", dtype, "--dtype", "float32")
         info = vx("export", str(work / dtype), "--to", "speculators", "-o", str(work / f"{dtype}-index"))
         out[dtype] = (work / f"{dtype}-index", info)
+    token_freq(work / "bf16", [index for index, _ in out.values()])
     return out
 
 
-def train(index: Path, model_dir: Path, target: list[int], steps: int, seed: int) -> list[float]:
+def token_freq(output: Path, indexes: list[Path]) -> None:
+    """speculators' token_freq.pt (token id -> count over the samples' tokens) beside each index:
+    from it, its trainer builds the draft vocabulary `--draft-vocab-size` asks for."""
+    import torch
+
+    import vx as vx_api
+
+    ds = vx_api.open_dataset(output)
+    counts: dict[int, int] = {}
+    for sid in ds.ids:
+        ids, _ = ds.tokens(sid)
+        for t, c in zip(*np.unique(ids.numpy(), return_counts=True)):
+            counts[int(t)] = counts.get(int(t), 0) + int(c)
+    for index in indexes:
+        torch.save(counts, index / "token_freq.pt")
+
+
+def train(index: Path, model_dir: Path, target: list[int], steps: int, seed: int, vocab: int) -> list[float]:
     """speculators' DFlash drafter, loader and loss; the loop is its Trainer's step on CPU."""
     import torch
     from speculators.train import cli
@@ -108,7 +128,7 @@ def train(index: Path, model_dir: Path, target: list[int], steps: int, seed: int
     args = argparse.Namespace(**TrainConfig.resolve([
         "--verifier-name-or-path", str(model_dir), "--data-path", str(index), "--hidden-states-backend", "vx",
         "--target-layer-ids", *map(str, target), "--on-missing", "raise", "--save-path", str(index / "ckpt"),
-        "--seed", str(seed), *DFLASH]).flatten())
+        "--seed", str(seed), "--draft-vocab-size", str(vocab), *DFLASH]).flatten())
     d2t, t2d, vocab = cli.parse_vocab_mappings(args)
     model_class = cli.SpeculatorModel.registry[args.speculator_type]
     model = cli.build_draft_model(args, model_class, t2d, d2t, vocab)
@@ -145,6 +165,8 @@ def main(argv=None):
     ap.add_argument("--samples", type=int, default=160, help="real chat samples extracted for training")
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--draft-vocab", type=int, default=4096,
+                    help="the drafter's vocabulary (the most frequent tokens; the full 248k does not train on a CPU)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
@@ -157,9 +179,9 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="vx-fp8-drafter-") as d:
         runs = exported(Path(d), model, args.samples)
         res["target_layer_ids"] = runs["bf16"][1]["target_layer_ids"]
-        res["losses"] = {dtype: train(index, model, info["target_layer_ids"], args.steps, args.seed)
+        res["losses"] = {dtype: train(index, model, info["target_layer_ids"], args.steps, args.seed, args.draft_vocab)
                          for dtype, (index, info) in runs.items()}
-    res.update(samples=args.samples, steps=args.steps, seed=args.seed, seconds=round(time.perf_counter() - t0, 1))
+    res.update(samples=args.samples, steps=args.steps, seed=args.seed, draft_vocab=args.draft_vocab, seconds=round(time.perf_counter() - t0, 1))
     b, f = res["losses"]["bf16"], res["losses"]["fp8"]
     for k in range(0, len(b), max(1, len(b) // 12)):
         print(f"step {k:4d}  bf16 {b[k]:.4f}  fp8 {f[k]:.4f}")
