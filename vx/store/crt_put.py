@@ -110,7 +110,8 @@ class CrtPut:
                 status = getattr(e, "status_code", None)
                 op = getattr(e, "operation_name", None) or "PutObject"
                 raise VxError(f"{op} of s3://{bucket}/{key} failed" + (f" (HTTP {status})" if status else "")
-                              + f": {getattr(e, 'name', type(e).__name__)}") from e
+                              + f": {getattr(e, 'name', type(e).__name__)} (a store that rejects the CRT "
+                              "client's requests: VX_S3_UPLOAD=boto3 sends through boto3)") from e
         if failed:
             raise failed[0]
 
