@@ -10,10 +10,22 @@ from test_cli import ROOT, vx_cmd
 
 
 def test_selftest_on_the_embedded_default_passes_and_times_bare_vllm(tmp_path):
-    r = vx_cmd("selftest", env={"VX_CACHE_DIR": str(tmp_path / "cache")})
+    from s3_faults import free_port
+    from test_s3 import CREDS, start_s3
+
+    server, url, s3 = start_s3(free_port())  # --upload: the S3 path, proven against a real endpoint
+    try:
+        r = vx_cmd("selftest", "--upload", "s3://vx-out/scratch", "--endpoint-url", url,
+                   env=dict(CREDS, VX_CACHE_DIR=str(tmp_path / "cache")))
+        assert not s3.list_objects_v2(Bucket="vx-out").get("KeyCount")  # all deleted after
+    finally:
+        server.stop()
     assert r.returncode == 0, r.stdout + r.stderr[-2000:]
     rows = {line.split()[0]: line for line in r.stdout.splitlines() if line.strip()}
     assert rows["result"].endswith("PASS")
+    up = re.search(r"(\d+) shards \(.*through awscrt at .*a 12 MiB multipart probe \(3 parts, S3's CRC64-NVME "
+                   r"\S+ as sent\); (\d+) of (\d+) samples read back by byte range equal", rows["upload"])
+    assert up and int(up[1]) >= 1 and up[2] == up[3] and int(up[3]) >= 40, rows["upload"]
     assert "bare vLLM prefill" in rows["throughput"] and "vx/bare" in rows["throughput"]
     assert "2 over the 512-token step (chunked)" in rows["data"]
     assert "float32" in rows["reference"]

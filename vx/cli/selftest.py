@@ -21,6 +21,8 @@ def selftest(
     one_pass: Annotated[bool, typer.Option("--one-pass/--no-one-pass", help="Also run vx extract --regenerate on a few conversations (two engines side by side) and check its stored ids and states.")] = True,
     max_num_batched_tokens: Annotated[Optional[int], typer.Option(help="vllm: tokens per engine step. Default: vx's GPU default (8192); 512 on CPU.")] = None,
     enforce_eager: Annotated[Optional[bool], typer.Option("--enforce-eager/--no-enforce-eager", help="vllm: default as for extract (compiled with CUDA graphs on a GPU, eager on CPU).")] = None,
+    upload: Annotated[Optional[str], typer.Option(help="Also send the shards to this s3://bucket/prefix (under a fresh prefix of their own, deleted after) through vx's uploader, read every sample back by byte range, and check a 12 MiB multipart upload's full-object checksum: your S3 path, proven.")] = None,
+    endpoint_url: Annotated[Optional[str], typer.Option(help="S3-compatible endpoint URL for --upload (credentials: the standard AWS chain).")] = None,
     output: Annotated[Optional[str], typer.Option("--output", "-o", help="Keep the shards and engine logs here (default: a temporary directory, removed).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object.")] = False,
     report: Annotated[Optional[str], typer.Option(help="Also write the result as JSON to this file (with the table on stdout).")] = None,
@@ -39,6 +41,8 @@ def selftest(
       vx selftest --model /models/Qwen3.6-27B --gpus 0
 
       vx selftest --model /models/Qwen3.6-27B --gpus 0,1 --tensor-parallel-size 2
+
+      vx selftest --model /models/Qwen3.6-27B --upload s3://my-bucket/scratch
     """
     from pathlib import Path
 
@@ -48,7 +52,7 @@ def selftest(
     _use_gpus(parse_gpus(gpus), tensor_parallel_size)
     cfg = SelftestConfig(model=model, tensor_parallel_size=tensor_parallel_size, samples=samples, bench=bench, one_pass=one_pass,
                          max_num_batched_tokens=max_num_batched_tokens, enforce_eager=enforce_eager,
-                         output=Path(output) if output else None)
+                         output=Path(output) if output else None, upload=upload, endpoint_url=endpoint_url)
     r = run_selftest(cfg)
     result = {"ok": r.ok, "rows": dict(r.lines), "layers": r.layers, "failures": r.failures[:20], **r.result}
     if report:

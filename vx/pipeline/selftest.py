@@ -50,6 +50,8 @@ class SelftestConfig:
     max_num_batched_tokens: int | None = None
     enforce_eager: bool | None = None  # None: vx's default (compiled + CUDA graphs on a GPU)
     output: Path | None = None         # keep shards and logs here (default: a temp dir, removed)
+    upload: str | None = None          # also prove the S3 path: s3://bucket/prefix (vx/pipeline/selftest_upload.py)
+    endpoint_url: str | None = None
     seed: int = 0
 
     def __post_init__(self):
@@ -59,6 +61,10 @@ class SelftestConfig:
             raise UsageError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         if self.samples is not None and self.samples < 12:
             raise UsageError(f"--samples must be >= 12 (the mix needs its special cases), got {self.samples}")
+        if self.upload is not None:
+            from vx.s3_client import parse_s3_url
+
+            parse_s3_url(self.upload)  # one line for a bad URL, before any engine starts
 
 
 @dataclass
@@ -156,6 +162,10 @@ def _run(cfg: SelftestConfig, report: SelftestReport, on_gpu: bool, work: Path) 
         report.row("target plan", describe_target(cfg.model, cfg.tensor_parallel_size, not on_gpu))
     bare_s = _run_bare(model_dir, samples, work, common) if cfg.bench else None
     _compare(report, out, work / "backpressure", stressed, samples, model_dir, info)
+    if cfg.upload:
+        from vx.pipeline.selftest_upload import check_upload
+
+        check_upload(report, out, cfg.upload, cfg.endpoint_url)
     if cfg.one_pass:
         from vx.pipeline.selftest_one_pass import check_one_pass
 
