@@ -1,5 +1,6 @@
 """The S3 upload's cost to the driver: vx's uploader with the CRT client (the default) against the
-boto3 transfer manager (VX_S3_UPLOAD=boto3), to a moto server over HTTP in another process.
+boto3 transfer manager (VX_S3_CLIENT=boto3), to a moto server over HTTP in another process; and
+the training loader's whole-shard downloads the same two ways.
 
 For each client, the same committed shards (random bytes, 256 MB each, full-object CRC64-NVME as
 the writer records it) go through `vx.store.uploader.Uploader` twice:
@@ -9,7 +10,9 @@ the writer records it) go through `vx.store.uploader.Uploader` twice:
   another process (what any client pays in system time to push the bytes over loopback);
 - beside a timed loop on the main thread standing in for the driver's step loop (pure Python work,
   ~1 ms a step, which needs the GIL as the driver's does): its steps/s against the loop alone, and
-  its slowest step.
+  its slowest step;
+- then downloaded back as the training loader's shard cache fetches them (whole objects in ranged
+  GETs, 8 at a time: 64 MiB ones through the CRT, 8 MiB through boto3): MB/s and CPU per GB.
 
     python bench/upload.py [--gb 1] [--reps 2]
 """
@@ -136,6 +139,37 @@ def send_floor(out: Path) -> dict:
             "sys_core_s_per_gb": round((s1 - s0) / gb, 3)}
 
 
+def download(out: Path, url: str, prefix: str, client: str) -> dict:
+    """The shards back from s3://vx-bench/prefix as vx/train/shard_cache.py fetches them."""
+    from boto3.s3.transfer import TransferConfig
+
+    from vx.s3_client import make_client
+    from vx.store.crt_s3 import CrtS3
+    from vx.train.shard_cache import FETCH_PART
+
+    s3 = make_client(url)
+    crt = CrtS3(s3, FETCH_PART, 8) if client == "crt" else None
+    config = TransferConfig(multipart_threshold=8 << 20, multipart_chunksize=8 << 20, max_concurrency=8)
+    files = sorted(out.glob("shard-*"))
+    dest = out.parent / "fetched"
+    dest.mkdir(exist_ok=True)
+    u0, s0 = cpu()
+    t = time.perf_counter()
+    for f in files:
+        if crt is not None:
+            crt.get("vx-bench", f"{prefix}/{f.name}", dest / f.name)
+        else:
+            s3.download_file("vx-bench", f"{prefix}/{f.name}", str(dest / f.name), Config=config)
+    wall = time.perf_counter() - t
+    u1, s1 = cpu()
+    gb = sum(f.stat().st_size for f in files) / 1e9
+    same = all((dest / f.name).read_bytes() == f.read_bytes() for f in files)
+    for f in dest.iterdir():
+        f.unlink()
+    return {"gb": round(gb, 3), "mb_s": round(gb * 1e3 / wall, 1), "user_core_s_per_gb": round((u1 - u0) / gb, 3),
+            "sys_core_s_per_gb": round((s1 - s0) / gb, 3), "bytes_equal": same}
+
+
 def loop_alone(seconds: float) -> dict:
     stop, steps = threading.Event(), []
     threading.Timer(seconds, stop.set).start()
@@ -161,11 +195,12 @@ def main(argv=None):
         for rep in range(args.reps):  # interleaved, so that drift of the host's speed hits both alike
             row = {"loop_alone": loop_alone(5.0), "sendfile_floor": send_floor(root / "out")}
             for client in ("crt", "boto3"):
-                os.environ["VX_S3_UPLOAD"] = client
+                os.environ["VX_S3_CLIENT"] = client
                 row[client] = upload(root / "out", url, f"{client}-{rep}", loop=False)
                 row[client + "_beside_loop"] = upload(root / "out", url, f"{client}-{rep}-loop", loop=True)
                 row[client + "_beside_loop"]["loop_vs_alone"] = round(
                     row[client + "_beside_loop"]["steps_per_s"] / row["loop_alone"]["steps_per_s"], 3)
+                row[client + "_download"] = download(root / "out", url, f"{client}-{rep}", client)
             print(json.dumps(row), flush=True)
             res["runs"].append(row)
     finally:

@@ -1,6 +1,6 @@
 """`vx selftest --upload s3://...`: the S3 path on the user's own store, which no CI reaches (CI runs
 moto over HTTP). The selftest's shards go to a fresh prefix under the URL through vx's uploader and
-its default client (awscrt's, or boto3's with VX_S3_UPLOAD=boto3), S3 checking each one's
+its default client (awscrt's, or boto3's with VX_S3_CLIENT=boto3), S3 checking each one's
 full-object CRC64-NVME on receipt and a HEAD comparing it with the manifest; a 12 MiB probe goes up
 as a multipart upload of three 5 MiB parts with its full-object checksum the same way (the
 selftest's own shards may be under a part); every sample is read back by byte range and compared
@@ -20,7 +20,7 @@ PROBE_BYTES = 12 << 20  # three parts of S3's least part size (5 MiB)
 def check_upload(report, out: Path, url: str, endpoint_url: str | None) -> None:
     """Adds the `upload` row; a failure goes to report.failures."""
     from vx.s3_client import make_client, parse_s3_url
-    from vx.store import crt_put
+    from vx.store import crt_s3
     from vx.store.format import MANIFEST
     from vx.store.remote_rows import RemoteRows, row_digest
     from vx.store.s3 import preflight
@@ -29,7 +29,7 @@ def check_upload(report, out: Path, url: str, endpoint_url: str | None) -> None:
     base = parse_s3_url(url)
     target = parse_s3_url(f"{base}/vx-selftest-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")  # a prefix of its own
     preflight(target, endpoint_url)
-    client = "awscrt" if crt_put.wanted() else "boto3"
+    client = "awscrt" if crt_s3.wanted() else "boto3"
     try:
         up = Uploader(out, target, endpoint_url, keep_local=True, part_mb=5)
         summary = up.start().finish()

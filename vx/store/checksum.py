@@ -95,7 +95,7 @@ def upload_args(rec: dict) -> dict:
 
 
 def upload_headers(rec: dict) -> dict[str, str]:
-    """upload_args as the PutObject request's headers (the CRT client's upload, vx/store/crt_put.py)."""
+    """upload_args as the PutObject request's headers (the CRT client's upload, vx/store/crt_s3.py)."""
     if ALGO in rec:
         return {"x-amz-sdk-checksum-algorithm": "CRC64NVME", "x-amz-checksum-crc64nvme": rec[ALGO]}
     return {"x-amz-meta-sha256": rec["sha256"]}

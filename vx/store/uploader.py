@@ -2,8 +2,8 @@
 
 The shard writer commits shards locally (manifest line = commit). The uploader, a thread in the
 driver process, tails the local manifest and for each committed shard: multipart upload through
-awscrt's S3 client in C threads, off the driver's GIL (vx/store/crt_put.py; boto3's transfer
-manager with VX_S3_UPLOAD=boto3), S3 checking the full-object CRC64-NVME on receipt; verify size
+awscrt's S3 client in C threads, off the driver's GIL (vx/store/crt_s3.py; boto3's transfer
+manager with VX_S3_CLIENT=boto3), S3 checking the full-object CRC64-NVME on receipt; verify size
 and that checksum by a HEAD; record it in the S3 manifest (flushed every few seconds and at the end),
 and only after that flush delete the local file (unless --keep-local). The S3 prefix then holds
 the layout of a local output directory: shards, manifest.jsonl, errors.jsonl, vx.json.
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from vx import faults
 from vx.errors import VxError
-from vx.store import checksum, crt_put
+from vx.store import checksum, crt_s3
 from vx.s3_client import S3Target, make_client
 from vx.store.format import ERRORS, MANIFEST, RUN_META
 from vx.store.s3 import remote_manifest
@@ -79,7 +79,7 @@ class Uploader:
         self.client = make_client(endpoint_url)
         self.transfer = TransferConfig(multipart_threshold=part_mb << 20, multipart_chunksize=part_mb << 20,
                                        max_concurrency=concurrency)
-        self.crt = crt_put.CrtPut(self.client, part_mb << 20, concurrency) if crt_put.wanted() else None
+        self.crt = crt_s3.CrtS3(self.client, part_mb << 20, concurrency) if crt_s3.wanted() else None
         self.uploaded: list[dict] = self._remote_manifest()
         self._announced = len(self.uploaded)  # shards before_publish was called for
         self._done = {r["shard"] for r in self.uploaded}
@@ -225,7 +225,7 @@ def _progress_points(size: int, part_bytes: int):
     the completion and may send it while that report runs: a kill there leaves an open upload with
     every part, or a complete object not in the S3 manifest; a rerun recovers either (the open
     upload is aborted, the shard uploaded again). (`upload-part` runs before each part's bytes are
-    read, vx/store/crt_put.py.)"""
+    read, vx/store/crt_s3.py.)"""
     sent = [0]
 
     def progress(n: int) -> None:

@@ -1,7 +1,8 @@
 """Shards for the loader: mapped in place from a local output, or, from S3, fetched into a bounded
 local cache ahead of use.
 
-S3: whole shards are downloaded by boto3's transfer manager (concurrent ranged GETs), several
+S3: whole shards are downloaded by awscrt's S3 client (concurrent ranged GETs in its C threads,
+off the trainer's GIL; boto3's transfer manager with VX_S3_CLIENT=boto3), several
 shards at once, in the order the rank's plan will need them, at most `prefetch` shards ahead;
 each is checked against the manifest's checksum (vx/store/checksum.py) on arrival (a corrupt or replaced object is
 refused, never read) and published by an atomic rename. The cache holds at most `cache_gb`:
@@ -28,6 +29,7 @@ from vx.store.checksum import ALGO
 from vx.store.reader import ShardHeader
 
 OPEN_FILES = 8  # mapped shards kept open per reader
+FETCH_PART = 64 << 20  # the CRT client's ranged GETs
 
 
 class ShardCorrupt(VxError):
@@ -89,6 +91,10 @@ class S3Shards(LocalShards):
         self.target, self.client = parse_s3_url(url), make_client(endpoint_url)
         self.transfer = TransferConfig(multipart_threshold=8 << 20, multipart_chunksize=8 << 20,
                                        max_concurrency=concurrency)
+        from vx.store import crt_s3
+
+        # 64 MiB ranges: at 8 MiB the CRT's reads cost ~2x the system time per GB here (bench/upload.py)
+        self.crt = crt_s3.CrtS3(self.client, FETCH_PART, concurrency) if crt_s3.wanted() else None
         self.cache_bytes, self.plan, self.prefetch = cache_bytes, plan, max(1, prefetch)
         self.peak_bytes = 0
         self._cond = threading.Condition()
@@ -184,7 +190,10 @@ class S3Shards(LocalShards):
         try:
             fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".fetch-")
             os.close(fd)
-            self.client.download_file(self.target.bucket, self.target.key(rec["shard"]), tmp, Config=self.transfer)
+            if self.crt is not None:  # in the CRT's threads, off the trainer's GIL
+                self.crt.get(self.target.bucket, self.target.key(rec["shard"]), Path(tmp))
+            else:
+                self.client.download_file(self.target.bucket, self.target.key(rec["shard"]), tmp, Config=self.transfer)
             if not checksum.file_ok(Path(tmp), rec):
                 os.unlink(tmp)
                 with self._cond:

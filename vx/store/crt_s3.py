@@ -1,5 +1,6 @@
-"""Shard uploads through awscrt's S3 client: the multipart transfer (file reads, part requests,
-signing, retries) runs in C threads, off the driver's interpreter and GIL.
+"""Shard transfers through awscrt's S3 client: the uploader's multipart uploads and the training
+loader's whole-shard downloads (file I/O, part requests, signing, retries) run in C threads, off
+the driver's or the trainer's interpreter and GIL.
 
 Measured here against moto over HTTP (bench/upload.py, docs/performance.md): boto3's `upload_file`
 spends ~1.7-1.8 user core-s per GB in Python (s3transfer reads each part into memory, http.client
@@ -10,8 +11,8 @@ What is kept from the boto3 path: the same endpoint, addressing style, region an
 botocore client vx makes (`vx/s3_client.py`; the URL comes from that client, the credentials are
 read through it on every request, so refreshing ones refresh); the full-object CRC64-NVME sent with
 the upload so that S3 checks it on receipt (multipart included); ~10 retries of 5xx and throttling
-with backoff. `VX_S3_UPLOAD=boto3` selects the boto3 path instead (an S3-compatible store that
-rejects the CRT's requests).
+with backoff. `VX_S3_CLIENT=boto3` selects the boto3 path instead, for both directions (an
+S3-compatible store that rejects the CRT's requests).
 """
 
 from __future__ import annotations
@@ -27,16 +28,17 @@ THREADS = 2  # event-loop threads: enough for ~10 Gbit/s of plain sends; TLS wou
 
 
 def wanted() -> bool:
-    """Whether uploads go through the CRT client (the default) rather than boto3."""
-    choice = os.environ.get("VX_S3_UPLOAD", "crt").lower()
+    """Whether shard uploads and downloads go through the CRT client (the default) rather than boto3."""
+    choice = os.environ.get("VX_S3_CLIENT", "crt").lower()
     if choice not in ("crt", "boto3"):
-        raise VxError(f"VX_S3_UPLOAD={choice!r}: use crt (the default) or boto3")
+        raise VxError(f"VX_S3_CLIENT={choice!r}: use crt (the default) or boto3")
     return choice == "crt"
 
 
-class CrtPut:
-    """put(path, bucket, key, headers, on_part, on_progress): one object from a file, multipart above
-    `part_bytes`, `concurrency` parts in flight. Built from the boto3 client the uploader uses."""
+class CrtS3:
+    """put(path, bucket, key, headers, on_part, on_progress): one object from a file; get(bucket, key,
+    path): one object into a file. Multipart (ranged GETs) above `part_bytes`, `concurrency` parts in
+    flight. Built from the boto3 client the uploader or the loader uses."""
 
     def __init__(self, client, part_bytes: int, concurrency: int = 8):
         from awscrt.auth import AwsCredentials, AwsCredentialsProvider
@@ -107,13 +109,32 @@ class CrtPut:
             except Exception as e:  # noqa: BLE001 - S3's answer, in one line
                 if failed:
                     raise failed[0] from None
-                status = getattr(e, "status_code", None)
-                op = getattr(e, "operation_name", None) or "PutObject"
-                raise VxError(f"{op} of s3://{bucket}/{key} failed" + (f" (HTTP {status})" if status else "")
-                              + f": {getattr(e, 'name', type(e).__name__)} (a store that rejects the CRT "
-                              "client's requests: VX_S3_UPLOAD=boto3 sends through boto3)") from e
+                raise _failed("PutObject", bucket, key, e) from e
         if failed:
             raise failed[0]
+
+
+    def get(self, bucket: str, key: str, path: Path) -> None:
+        """The object s3://bucket/key into the file at `path` (written by the CRT's threads, in ranged
+        GETs of `part_bytes`); blocks until it is there. Raises VxError naming S3's answer."""
+        from awscrt.http import HttpHeaders, HttpRequest
+        from awscrt.s3 import S3RequestType
+
+        url = urlsplit(self.client.generate_presigned_url("get_object", Params={"Bucket": bucket, "Key": key}))
+        req = self._s3.make_request(type=S3RequestType.GET_OBJECT, recv_filepath=str(path),
+                                    request=HttpRequest("GET", url.path, HttpHeaders([("Host", url.netloc)])))
+        try:
+            req.finished_future.result()
+        except Exception as e:  # noqa: BLE001 - S3's answer, in one line
+            raise _failed("GetObject", bucket, key, e) from e
+
+
+def _failed(op: str, bucket: str, key: str, e: BaseException) -> VxError:
+    status = getattr(e, "status_code", None)
+    op = getattr(e, "operation_name", None) or op
+    return VxError(f"{op} of s3://{bucket}/{key} failed" + (f" (HTTP {status})" if status else "")
+                   + f": {getattr(e, 'name', type(e).__name__)} (a store that rejects the CRT client's requests: "
+                   "VX_S3_CLIENT=boto3 sends through boto3)")
 
 
 class _Parts(io.RawIOBase):
