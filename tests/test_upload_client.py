@@ -37,13 +37,19 @@ def committed(out, sizes):
                                 "sample_ids": [f"s{i}"], "tokens": 1}) + "\n")
 
 
-@pytest.mark.parametrize("client,agent", [("crt", "crt"), ("boto3", "boto3")])
-def test_a_shard_goes_up_multipart_with_its_full_object_checksum(tmp_path, monkeypatch, client, agent):
+def moto(monkeypatch, client: str):
+    """(port, server, boto3 client) of a fresh moto S3 server, vx set to use `client` against it."""
     for k, v in CREDS.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("VX_S3_CLIENT", client)
     port = free_port()
     server, _, s3 = start_s3(port)
+    return port, server, s3
+
+
+@pytest.mark.parametrize("client,agent", [("crt", "crt"), ("boto3", "boto3")])
+def test_a_shard_goes_up_multipart_with_its_full_object_checksum(tmp_path, monkeypatch, client, agent):
+    port, server, s3 = moto(monkeypatch, client)
     try:
         out = tmp_path / "out"
         committed(out, [12 << 20, 1 << 20])  # three 5 MiB parts, then one request
@@ -73,11 +79,7 @@ def test_a_shard_goes_up_multipart_with_its_full_object_checksum(tmp_path, monke
 def test_the_loaders_shard_cache_fetches_through_the_same_client_and_checks_what_arrived(tmp_path, monkeypatch, client):
     from vx.train.shard_cache import S3Shards, ShardCorrupt
 
-    for k, v in CREDS.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv("VX_S3_CLIENT", client)
-    port = free_port()
-    server, _, s3 = start_s3(port)
+    port, server, s3 = moto(monkeypatch, client)
     try:
         out = tmp_path / "out"
         committed(out, [20 << 20, 3 << 20])
