@@ -17,7 +17,7 @@ def test_selftest_on_the_embedded_default_passes_and_times_bare_vllm(tmp_path):
     try:
         r = vx_cmd("selftest", "--upload", "s3://vx-out/scratch", "--endpoint-url", url,
                    env=dict(CREDS, VX_CACHE_DIR=str(tmp_path / "cache")))
-        assert not s3.list_objects_v2(Bucket="vx-out").get("KeyCount")  # all deleted after
+        assert not s3.list_objects_v2(Bucket="vx-out", Prefix="scratch/").get("KeyCount")  # all deleted after
     finally:
         server.stop()
     assert r.returncode == 0, r.stdout + r.stderr[-2000:]
