@@ -33,7 +33,7 @@ def check_upload(report, out: Path, url: str, endpoint_url: str | None) -> None:
     try:
         up = Uploader(out, target, endpoint_url, keep_local=True, part_mb=5)
         summary = up.start().finish()
-        probe = _multipart_probe(out.parent / "probe.bin", target, endpoint_url, up)
+        probe = _multipart_probe(out.parent / "probe.bin", target, up)
         rows, bad = RemoteRows(str(target), endpoint_url), []
         records = [json.loads(line) for line in (out / MANIFEST).read_text().splitlines() if line.strip()]
         from vx.store.reader import ShardFile
@@ -64,7 +64,7 @@ def check_upload(report, out: Path, url: str, endpoint_url: str | None) -> None:
                 s3.delete_objects(Bucket=target.bucket, Delete={"Objects": keys})
 
 
-def _multipart_probe(path: Path, target, endpoint_url: str | None, up) -> str:
+def _multipart_probe(path: Path, target, up) -> str:
     """A 12 MiB object sent as the uploader sends a shard (5 MiB parts), then its HEAD."""
     from vx.errors import VxError
     from vx.store import checksum
@@ -73,10 +73,7 @@ def _multipart_probe(path: Path, target, endpoint_url: str | None, up) -> str:
     try:
         rec = {"bytes": PROBE_BYTES, checksum.ALGO: checksum.file_crc64(path)}
         key = target.key("probe.bin")
-        if up.crt is not None:
-            up.crt.put(path, target.bucket, key, checksum.upload_headers(rec))
-        else:
-            up.client.upload_file(str(path), target.bucket, key, Config=up.transfer, ExtraArgs=checksum.upload_args(rec))
+        up.send(path, key, rec)
         head = checksum.head(up.client, target.bucket, key)
         if not checksum.head_ok(head, rec):
             raise VxError(f"{target}/probe.bin: the store's HEAD does not match what was sent (size or "

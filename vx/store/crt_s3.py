@@ -5,7 +5,7 @@ the driver's or the trainer's interpreter and GIL.
 Measured here against moto over HTTP (bench/upload.py, docs/performance.md): boto3's `upload_file`
 spends ~1.7-1.8 user core-s per GB in Python (s3transfer reads each part into memory, http.client
 sends it, over plain HTTP botocore signs the payload), and beside a busy driver loop it starves for
-the GIL (6x slower); this client 0.16-0.20, its rate unchanged beside the loop.
+the GIL (7-8x slower); this client 0.15-0.25, keeping ~0.85 of its rate beside the loop.
 
 What is kept from the boto3 path: the same endpoint, addressing style, region and credentials as the
 botocore client vx makes (`vx/s3_client.py`; the URL comes from that client, the credentials are
@@ -48,7 +48,7 @@ class CrtS3:
         self.client = client
         creds = client._get_credentials()  # the botocore client's own (refreshing); boto3's CRT path reads them so too
         if creds is None:
-            raise VxError("no AWS credentials for the upload: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a "
+            raise VxError("no AWS credentials for S3 transfers: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a "
                           "profile, or an instance role")
 
         def current():
@@ -112,7 +112,6 @@ class CrtS3:
                 raise _failed("PutObject", bucket, key, e) from e
         if failed:
             raise failed[0]
-
 
     def get(self, bucket: str, key: str, path: Path) -> None:
         """The object s3://bucket/key into the file at `path` (written by the CRT's threads, in ranged

@@ -164,14 +164,7 @@ class Uploader:
         key = self.target.key(rec["shard"])
         t = time.perf_counter()
         faults.point("before-upload")
-        # S3 checks the body against the manifest's CRC64-NVME on receipt and stores it (full object)
-        if self.crt is not None:
-            self.crt.put(path, self.target.bucket, key, checksum.upload_headers(rec),
-                         on_part=lambda _: faults.point("upload-part"),
-                         on_progress=_progress_points(rec["bytes"], self.crt.part_bytes))
-        else:
-            self.client.upload_file(str(path), self.target.bucket, key, Config=self.transfer,
-                                    ExtraArgs=checksum.upload_args(rec), Callback=lambda _: faults.point("mid-upload"))
+        self.send(path, key, rec)
         faults.point("after-upload")
         if not checksum.head_ok(checksum.head(self.client, self.target.bucket, key), rec):
             raise VxError(f"{key}: uploaded object does not match the manifest (size or {checksum.which(rec)})")
@@ -180,6 +173,18 @@ class Uploader:
         self.uploaded.append(rec)
         self._done.add(rec["shard"])
         self._to_delete.append(rec["shard"])
+
+    def send(self, path: Path, key: str, rec: dict) -> None:
+        """The file at `path` as this output's bucket's `key`, through the chosen client, with the
+        record's checksum: S3 checks the body against its CRC64-NVME on receipt and stores it (full
+        object)."""
+        if self.crt is not None:
+            self.crt.put(path, self.target.bucket, key, checksum.upload_headers(rec),
+                         on_part=lambda _: faults.point("upload-part"),
+                         on_progress=_progress_points(rec["bytes"], self.crt.part_bytes))
+        else:
+            self.client.upload_file(str(path), self.target.bucket, key, Config=self.transfer,
+                                    ExtraArgs=checksum.upload_args(rec), Callback=lambda _: faults.point("mid-upload"))
 
     def _flush(self) -> None:
         """Publish the S3 manifest (only verified shards), errors and vx.json; then free local disk."""

@@ -93,7 +93,7 @@ class S3Shards(LocalShards):
                                        max_concurrency=concurrency)
         from vx.store import crt_s3
 
-        # 64 MiB ranges: at 8 MiB the CRT's reads cost ~2x the system time per GB here (bench/upload.py)
+        # 64 MiB ranges: at 8 MiB the CRT's fetch ran at a quarter of the rate here (bench/upload.py)
         self.crt = crt_s3.CrtS3(self.client, FETCH_PART, concurrency) if crt_s3.wanted() else None
         self.cache_bytes, self.plan, self.prefetch = cache_bytes, plan, max(1, prefetch)
         self.peak_bytes = 0
