@@ -23,11 +23,6 @@ STEP = 48  # tokens per step: long prompts take several chunks
 
 def scheduler(model_dir, async_scheduling: bool, blocks: int = 256):
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.core.kv_cache_utils import (get_kv_cache_config_from_groups, get_kv_cache_groups,
-                                             resolve_kv_cache_block_sizes)
-    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.structured_output import StructuredOutputManager
 
     from vx.data.model import model_info
     from vx.engine import plan
@@ -38,16 +33,31 @@ def scheduler(model_dir, async_scheduling: bool, blocks: int = 256):
     kw = engine_kwargs(model_dir, layers, on_cpu=True, max_model_len=256, max_num_batched_tokens=STEP,
                        max_num_seqs=8)
     config = EngineArgs(**kw).create_engine_config()
-    config.scheduler_config.async_scheduling = async_scheduling
     p = plan.plan_engine(config, len(layers), info.hidden_size)
-    specs, _ = plan.kv_cache_specs(config, len(layers), info.hidden_size, p.attention_block)
+    return kv_scheduler(config, p, blocks, async_scheduling), p
+
+
+def kv_scheduler(config, p, blocks: int, async_scheduling: bool):
+    """vLLM's Scheduler (or AsyncScheduler) over `blocks` KV blocks of the plan's groups, built as
+    the engine core builds it."""
+    from vllm.v1.core.kv_cache_utils import (get_kv_cache_config_from_groups, get_kv_cache_groups,
+                                             resolve_kv_cache_block_sizes)
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from vx.engine import plan
+
+    config.scheduler_config.async_scheduling = async_scheduling
+    hidden = int(config.model_config.hf_text_config.hidden_size)
+    specs, _ = plan.kv_cache_specs(config, p.hidden_bytes_per_token // (2 * hidden), hidden, p.attention_block)
     groups = get_kv_cache_groups(config, specs)
     kv = get_kv_cache_config_from_groups(config, groups, blocks * p.bytes_per_block)
     config.cache_config.num_gpu_blocks = kv.num_blocks  # as the engine core sets it
     block_size, hash_block_size = resolve_kv_cache_block_sizes(kv, config)  # as the engine core does
     cls = AsyncScheduler if async_scheduling else Scheduler
     return cls(vllm_config=config, kv_cache_config=kv, structured_output_manager=StructuredOutputManager(config),
-               block_size=block_size, hash_block_size=hash_block_size), p
+               block_size=block_size, hash_block_size=hash_block_size)
 
 
 def requests(lengths):

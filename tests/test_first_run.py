@@ -6,6 +6,7 @@ import json
 import re
 
 import vx
+from test_engine_budget import fewest_that_fill
 
 # not a terminal: a progress line every 30 s once samples flow (vx/monitor/progress.py), none in a
 # shorter run; a loaded machine's run can be longer
@@ -27,6 +28,13 @@ def test_the_first_vllm_run_prints_only_its_results_and_keeps_the_log_in_the_out
     assert block >= 16 and summary["max_model_len"] % block == 0
     assert longest <= summary["max_model_len"] < longest + block < 8192
     assert f"hidden states {block} tokens" in summary["engine_plan"]
+    # the step budget (vx/engine/budget.py): the CPU step, and max_num_seqs the fewest consecutive
+    # samples of this dataset that fill it in every stretch, + 1 (CPU scheduling is synchronous),
+    # as vLLM logged the engine's arguments
+    lengths = [len(r["input_ids"]) for r in sorted((ds[i] for i in range(len(ds))), key=lambda r: r["id"])]
+    seqs = fewest_that_fill(lengths, 16384)
+    assert f"step 16,384 tokens, max_num_seqs {seqs} (" in summary["engine_plan"]
+    assert f"'max_num_batched_tokens': 16384, 'max_num_seqs': {seqs}," in (out / "logs" / "vllm.log").read_text()
     # --verify 8: eight samples recomputed with the fp32 HF reference, every layer within the bound
     v = summary["verify"]
     assert v["ok"] and v["samples_checked"] == 8 and v["reference"].startswith("float32")

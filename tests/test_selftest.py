@@ -34,6 +34,8 @@ def test_selftest_on_the_embedded_default_passes_and_times_bare_vllm(tmp_path):
     # the same samples again, fp8, through a ring cut to the copies in flight and a writer that
     # started only once the forward waited for space: every sample within fp8's bound, no spills,
     assert re.search(r"capture threads' CPU [\d.]+s intake \+ [\d.]+s writer over [\d.]+s", rows["engine"]), rows["engine"]
+    # the step budget: the selftest's 512-token step kept, max_num_seqs chosen from its samples' lengths
+    assert int(re.search(r"step 512 tokens, max_num_seqs (\d+),", rows["engine"])[1]) >= 2, rows["engine"]
     # states coded in row blocks (--compress blocks) there, and read back through them
     bp = re.search(r"(\d+) waits, (\d+) spills; states coded in blocks \(--compress blocks\) ([\d.]+)x smaller; "
                    r"worst cosine ([\d.]+)", rows["backpressure"])
@@ -61,6 +63,8 @@ def test_selftest_of_a_vl_layout_checkpoint_fails_naming_sample_and_layer_when_a
     # the real target's capture engine, planned from its config: the block vLLM gives its hidden states
     plan = got["rows"]["target plan"]
     assert "samples up to 4,096 tokens" in plan and int(plan.split("hidden states ")[1].split()[0]) >= 16, plan
+    # and its step budget, its dataset unknown: a CPU step of 64-token samples (16,384 / 64 + 1)
+    assert "step 16,384 tokens, max_num_seqs 257 (" in plan, plan
     engine = got["rows"]["engine"]  # the twin's block, read back from its engine
     assert int(engine.split("hidden-state block ")[1].split()[0]) >= 16, engine
     worst = {w["layer"]: w["min_cosine"] for w in got["layers"]}

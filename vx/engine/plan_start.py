@@ -7,8 +7,9 @@ line for the real target.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from vx.engine.budget import Budget, choose_budget, device_step
 from vx.engine.plan import EnginePlan, plan_engine
 
 # Per engine, beside its weights and KV cache: activations at a full step, CUDA graphs, NCCL and the
@@ -90,7 +91,6 @@ def gpu_shares(model: str, layers, max_model_len: int, utilization: float | None
 
     from vx.data.layers import resolve_layer_ids
     from vx.data.model import model_info, resolve_model
-    from vx.engine.defaults import default_budget
     from vx.engine.vllm_engine import engine_kwargs
 
     total = _gpu_total_bytes()
@@ -105,7 +105,7 @@ def gpu_shares(model: str, layers, max_model_len: int, utilization: float | None
     plan = plan_engine(config, len(layer_ids), int(config.model_config.hf_text_config.hidden_size))
     weights = weight_bytes(model_dir) / tensor_parallel_size
     split = split_gpu(total, utilization, weights, plan,
-                      default_budget(step_tokens, None)[0], MEAN_SAMPLE, tensor_parallel_size)
+                      step_tokens or device_step(False, total, _gpu_name()), MEAN_SAMPLE, tensor_parallel_size)
     print(f"vx: {split.line}", file=sys.stderr)
     return split.regeneration, split.capture
 
@@ -138,17 +138,20 @@ def _gpu_bytes_beside_weights(config, model_dir) -> int | None:
     return int(total * config.cache_config.gpu_memory_utilization - weights / tp)
 
 
-def plan_capture_engine(kwargs: dict, layer_count: int) -> tuple[dict, EnginePlan | None]:
-    """The capture engine's arguments with max_model_len rounded by the plan, and the plan: run
-    in the driver before the engine starts (vLLM's own config and platform: ~1 s), so the engine
-    vLLM then builds gets the same groups. The model's own limit is kept: a rounding past it is
-    not made. A config vLLM rejects is left for the engine to report."""
+def plan_capture_engine(kwargs: dict, layer_count: int, lengths=None, step: int | None = None,
+                        seqs: int | None = None) -> tuple[dict, EnginePlan | None, Budget | None]:
+    """The capture engine's arguments with max_model_len rounded by the plan and the step budget
+    chosen from it (vx/engine/budget.py; `step`/`seqs`: the user's, kept), the plan and the
+    budget: run in the driver before the engine starts (vLLM's own config and platform: ~1 s), so
+    the engine vLLM then builds gets the same groups. `lengths`: the token counts of the samples
+    the run submits, in order (None: unknown). The model's own limit is kept: a rounding past it
+    is not made. A config vLLM rejects is left for the engine to report."""
     from vllm.engine.arg_utils import EngineArgs
 
     try:
         config = EngineArgs(**kwargs).create_engine_config()
     except Exception:  # the engine's start says why, in its log, as before
-        return kwargs, None
+        return kwargs, None, None
     wanted = config.model_config.max_model_len
     plan = plan_engine(config, layer_count, int(config.model_config.hf_text_config.hidden_size),
                        _gpu_bytes_beside_weights(config, kwargs["model"]))
@@ -156,8 +159,31 @@ def plan_capture_engine(kwargs: dict, layer_count: int) -> tuple[dict, EnginePla
     if plan.max_model_len != wanted and (not limit or plan.max_model_len <= limit):
         kwargs = dict(kwargs, max_model_len=plan.max_model_len)
     check_fits(plan, config.parallel_config.tensor_parallel_size)
+    on_cpu = config.device_config.device_type == "cpu"
+    budget = _budget(config, plan, lengths, step, seqs, on_cpu, kwargs.get("kv_cache_memory_bytes"))
+    kwargs = dict(kwargs, max_num_batched_tokens=budget.step_tokens, max_num_seqs=budget.max_num_seqs)
     plan.num_blocks = None  # the engine's own count replaces the estimate once it starts
-    return kwargs, plan
+    return kwargs, plan, budget
+
+
+def _budget(config, plan: EnginePlan, lengths, step: int | None, seqs: int | None, on_cpu: bool,
+            cpu_kv_bytes: int | None) -> Budget:
+    """The step budget over the blocks the engine will have: on a GPU what the plan finds beside
+    the weights less GPU_RESERVE for activations, on CPU the KV cache vx sizes (else unknown)."""
+    kv_bytes = cpu_kv_bytes if on_cpu else (None if plan.available_bytes is None else plan.available_bytes - GPU_RESERVE)
+    sized = replace(plan, num_blocks=None if kv_bytes is None else int(kv_bytes // plan.bytes_per_block))
+    total = None if on_cpu else _gpu_total_bytes()
+    return choose_budget(sized, lengths, device_step(on_cpu, total, _gpu_name() if total else ""),
+                         bool(config.scheduler_config.async_scheduling), step, seqs, profiled=not on_cpu)
+
+
+def _gpu_name() -> str:
+    from vllm.platforms import current_platform
+
+    try:
+        return current_platform.get_device_name(0)
+    except Exception:
+        return ""
 
 
 def describe_target(model: str, tensor_parallel_size: int, on_cpu: bool) -> str:
@@ -185,5 +211,6 @@ def describe_target(model: str, tensor_parallel_size: int, on_cpu: bool) -> str:
     except UsageError as e:
         return f"{layer_count} layers, TP {tensor_parallel_size}, samples up to {PLANNED_LENGTH:,} tokens{where}: " \
                f"WOULD NOT START: {e}"
+    budget = _budget(config, plan, None, None, None, on_cpu, kwargs.get("kv_cache_memory_bytes"))
     return f"{layer_count} layers, TP {tensor_parallel_size}, samples up to {PLANNED_LENGTH:,} tokens{where}: " \
-           f"{plan.line(MEAN_SAMPLE)}"
+           f"{plan.line(MEAN_SAMPLE)}; {budget.line}"

@@ -47,13 +47,15 @@ class VllmExtractor:
     """One vLLM engine with vx's capture connector; `run()` can be called repeatedly."""
 
     def __init__(self, model_dir: Path, layer_ids: list[int], log_file: Path | None = None, verbose: bool = False,
-                 warm: bool = True, **options):
-        """log_file: where vLLM's log and its processes' output go (vx/engine/logs.py); None = stderr."""
+                 warm: bool = True, sample_lengths=None, **options):
+        """log_file: where vLLM's log and its processes' output go (vx/engine/logs.py); None = stderr.
+        sample_lengths: the token counts of the samples the run will submit, in order (the step
+        budget is chosen from them; None: unknown)."""
         if list(layer_ids) != sorted(set(layer_ids)):
             raise UsageError(f"layer ids must be sorted and distinct, got {layer_ids}")
         try:
             with engine_output(log_file, verbose):
-                self._start(model_dir, layer_ids, options)
+                self._start(model_dir, layer_ids, sample_lengths, options)
         except VxError:
             raise
         except Exception as e:  # the details went to the log file
@@ -63,7 +65,7 @@ class VllmExtractor:
                           f"its log: {log_file}") from e
         self.warmup_s = self.warm_up() if warm else 0.0
 
-    def _start(self, model_dir: Path, layer_ids: list[int], options: dict) -> None:
+    def _start(self, model_dir: Path, layer_ids: list[int], lengths, options: dict) -> None:
         from vx.device import engine_env
         from vx.engine.reaper import Reaper
 
@@ -71,7 +73,9 @@ class VllmExtractor:
         kwargs = engine_kwargs(model_dir, layer_ids, on_cpu=on_cpu, **options)
         check_vllm_contract(kwargs)  # before any weight loads: one line naming what is missing
         # max_model_len rounded so the hidden-state block is the largest vLLM allows (vx/engine/plan.py)
-        kwargs, self.plan = plan_capture_engine(kwargs, len(layer_ids))
+        # and the step and max_num_seqs chosen from the plan and the run's lengths (vx/engine/budget.py)
+        kwargs, self.plan, self.budget = plan_capture_engine(
+            kwargs, len(layer_ids), lengths, options.get("max_num_batched_tokens"), options.get("max_num_seqs"))
         dtype_bytes = 4 if kwargs["dtype"] == "float32" else 2
         check_tensor_parallel_pages(model_dir, kwargs["tensor_parallel_size"], len(layer_ids), dtype_bytes)
         without_tokenizer()
@@ -213,8 +217,10 @@ class VllmExtractor:
         self.reaper.stop()
 
 
-def run_vllm(cfg, model_dir, info, layer_ids, samples, shard_args, bar, t0, errors, started=None, captured=None):
+def run_vllm(cfg, model_dir, info, layer_ids, samples, shard_args, bar, t0, errors, started=None, captured=None,
+             lengths=None):
     """The `vx extract --backend vllm` job; returns (load_s, warmup_s, extract_s, samples, tokens, stats).
+    lengths: the token counts of the samples, in order, where the plan knows them (the step budget).
     started(): called once the engine has started (and warmed up), before the first sample;
     captured(): once every sample is committed, before the engine stops."""
     if cfg.dtype not in ("auto", "bfloat16", "float16", "float32"):
@@ -226,7 +232,7 @@ def run_vllm(cfg, model_dir, info, layer_ids, samples, shard_args, bar, t0, erro
                        max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
                        gpu_memory_utilization=cfg.gpu_memory_utilization,
                        tensor_parallel_size=cfg.tensor_parallel_size, enforce_eager=cfg.enforce_eager,
-                       warm=cfg.warm_up)
+                       warm=cfg.warm_up, sample_lengths=lengths)
     load_s = time.perf_counter() - t_load - ex.warmup_s + (t_load - t0)
     counts = {"n": 0, "tokens": 0}
     bar.meter.sources.append(lambda: {"in_flight": len(getattr(ex, "in_flight", ()))})
@@ -252,5 +258,5 @@ def run_vllm(cfg, model_dir, info, layer_ids, samples, shard_args, bar, t0, erro
         ex.close()
     stats["max_model_len"] = ex.max_model_len
     if ex.plan is not None:
-        stats["plan"] = ex.plan.line()
+        stats["plan"] = ex.plan.line() + (f"; {ex.budget.line}" if ex.budget is not None else "")
     return load_s, ex.warmup_s, extract_s, counts["n"] - len(stats.get("rejected", [])), counts["tokens"], stats

@@ -103,13 +103,19 @@ def run_extract(cfg: ExtractConfig, progress: bool | None = None, reporter=None,
     lines = plan = None
     if cfg.partitioned:
         cfg, out, lines, plan = _enter_partition(cfg, job, root, whole_source=source is not None)
+    lengths = None  # the samples' token counts, where a plan has them: the engine's max_model_len and step budget
     if job.backend == "vllm" and not cfg.max_model_len:
-        cfg = replace(cfg, max_model_len=engine_max_model_len(cfg, job, plan))
+        lengths = engine_lengths(cfg, job, plan)
+        cfg = replace(cfg, max_model_len=max_model_len_for(lengths, job))
+    elif job.backend == "vllm" and plan is not None:  # no plan is made for them alone
+        from vx.launch.plan import sample_lengths
+
+        lengths = sample_lengths(plan, cfg.partition_index)
     out.reset_or_sync(cfg.overwrite)
     elsewhere = root.committed_elsewhere(exclude=out)  # other partitions, of this run or an earlier one
     with out.lock():
         return _extract_locked(cfg, job, out, lines, elsewhere, progress, reporter, t0, root, started,
-                               before_publish, captured)
+                               before_publish, captured, lengths)
 
 
 def _retainer(cfg: ExtractConfig, out: Output, root: Output, budget: int):
@@ -123,7 +129,7 @@ def _retainer(cfg: ExtractConfig, out: Output, root: Output, budget: int):
 
 
 def _extract_locked(cfg, job, out: Output, lines, elsewhere, progress, reporter, t0, root=None,
-                    started=None, before_publish=None, captured=None) -> Summary:
+                    started=None, before_publish=None, captured=None, lengths=None) -> Summary:
     meta, info, layer_ids = job.meta, job.info, job.layer_ids
     state = out.open(meta, cfg.overwrite)
     out.begin_run()
@@ -178,7 +184,7 @@ def _extract_locked(cfg, job, out: Output, lines, elsewhere, progress, reporter,
             from vx.engine.vllm_extractor import run_vllm
 
             *stats, wstats = run_vllm(cfg, job.model_dir, info, layer_ids, chain([first], samples), shard_args, bar,
-                                      t0, errors, started, captured)
+                                      t0, errors, started, captured, lengths)
             shards, nbytes = wstats.get("shards", 0), wstats.get("bytes", 0)
             peak_local = wstats.get("peak_local_bytes", 0)
             max_model_len = wstats.get("max_model_len")
@@ -250,19 +256,24 @@ def _enter_partition(cfg: ExtractConfig, job: Job, root: Output, whole_source: b
     return cfg, out, lines_of(plan, cfg.partition_index), plan
 
 
-def engine_max_model_len(cfg: ExtractConfig, job: Job, plan: Path | None) -> int | None:
-    """The engine's max_model_len: the longest sample this run submits, + 1 (the engine samples
-    one token), from the plan's token counts (a one-partition plan is made for a single run),
-    never more than the model's own. vLLM's default is the model's (262,144 for Qwen3.6), and the
-    engine refuses to start where one such request, with capture's per-token cost, does not fit."""
-    from vx.launch.plan import load_or_make_plan, longest_sample
+def engine_lengths(cfg: ExtractConfig, job: Job, plan: Path | None):
+    """The token counts of the rows this run (this partition) submits, in order, from the plan (a
+    one-partition plan is made for a single run); None for a plan made without them."""
+    from vx.launch.plan import load_or_make_plan, sample_lengths
 
     if plan is None:
         plan = load_or_make_plan(cfg.output, job.source, job.model_dir, job.info.fingerprint, 1, cfg.reading())
-    longest = longest_sample(plan, cfg.partition_index)
-    if not longest:
+    return sample_lengths(plan, cfg.partition_index)
+
+
+def max_model_len_for(lengths, job: Job) -> int | None:
+    """The engine's max_model_len: the longest sample this run submits, + 1 (the engine samples
+    one token), never more than the model's own. vLLM's default is the model's (262,144 for
+    Qwen3.6), and the engine refuses to start where one such request, with capture's per-token
+    cost, does not fit."""
+    if lengths is None or not len(lengths):
         return None
-    want = max(longest, 2) + 1  # a 1-token sample is sent as 2 tokens (vllm_backend.prompt_ids)
+    want = max(int(lengths.max()), 2) + 1  # a 1-token sample is sent as 2 tokens (vllm_backend.prompt_ids)
     limit = job.info.max_position_embeddings
     return min(want, limit) if limit else want
 

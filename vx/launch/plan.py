@@ -167,15 +167,15 @@ def load_or_make_plan(root: Path, source: Input, model_dir: Path, fingerprint: s
     return path
 
 
-def longest_sample(plan_file: Path, index: int | None = None) -> int | None:
-    """Tokens of the longest row of partition `index` (every partition: None), 0 if it has no
-    row; None for a plan made without its token counts."""
+def sample_lengths(plan_file: Path, index: int | None = None) -> np.ndarray | None:
+    """Tokens of each row of partition `index` (every partition: None), in line order, rows
+    without tokens left out; None for a plan made without its token counts."""
     if not tokens_file(plan_file).exists():
         return None
     weights = np.load(tokens_file(plan_file))
     if index is not None:
         weights = weights[np.load(plan_file) == index]
-    return int(weights.max()) if len(weights) else 0
+    return weights[weights > 0]
 
 
 def lines_of(plan_file: Path, index: int) -> set[int]:

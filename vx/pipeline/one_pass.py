@@ -81,11 +81,11 @@ def max_model_len(cfg, job=None, plan: Path | None = None) -> int:
     to start where one such request does not fit)."""
     from vx.data.chat import conversation
     from vx.data.inputs import Input
-    from vx.jobs.extract import engine_max_model_len, prepare_job
+    from vx.jobs.extract import engine_lengths, max_model_len_for, prepare_job
 
     job = job or prepare_job(cfg)
     whole = cfg if plan is not None else replace(cfg, partition_index=None, num_partitions=1)  # no plan: the whole input's
-    longest = engine_max_model_len(whole, job, plan) or 2  # the input's plan, kept in OUT for reruns
+    longest = max_model_len_for(engine_lengths(whole, job, plan), job) or 2  # the input's plan, kept in OUT for reruns
     turns = 1
     if cfg.turns == "all":
         for row in Input(cfg.data, cfg.endpoint_url).rows():

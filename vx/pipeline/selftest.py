@@ -188,10 +188,13 @@ def _run(cfg: SelftestConfig, report: SelftestReport, on_gpu: bool, work: Path) 
 
 def _run_vx(model_dir, layers, samples, info, out: Path, common: dict,
             stress_out: Path) -> tuple[float, str, dict]:
+    import numpy as np
+
     from vx.engine.vllm_extractor import VllmExtractor
 
     out.mkdir(parents=True, exist_ok=True)
-    ex = VllmExtractor(model_dir, layers, log_file=out / "logs" / "vllm.log", **common)
+    ex = VllmExtractor(model_dir, layers, log_file=out / "logs" / "vllm.log",
+                       sample_lengths=np.array([len(s) for s in samples]), **common)  # max_num_seqs from them
     try:
         config = ex.engine.vllm_config
         runner = "Model Runner V2" if getattr(config, "use_v2_model_runner", False) else "V1 runner"
@@ -229,7 +232,8 @@ def _run_vx(model_dir, layers, samples, info, out: Path, common: dict,
         ex.close()
     if rejected:
         raise VxError(f"selftest: vx rejected {len(rejected)} samples, first {rejected[0][0]!r}: {rejected[0][1]}")
-    return wall, (f"{runner}, {graphs}, step {ex.max_num_batched_tokens:,} tokens, max_model_len "
+    return wall, (f"{runner}, {graphs}, step {ex.max_num_batched_tokens:,} tokens, max_num_seqs {ex.max_num_seqs:,}, "
+                  f"max_model_len "
                   f"{ex.max_model_len:,}, warm-up {ex.warmup_s:.1f}s; capture chunk {stats.get('chunk_rows'):,} "
                   f"rows, hidden-state block {stats.get('hidden_block')} tokens, pinned ring {stats.get('ring_bytes', 0) / 2**20:,.0f}"
                   f" MiB ({stats.get('ring_waits', 0)} waits, {stats.get('ring_spills', 0)} spills), written from it "
