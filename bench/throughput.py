@@ -115,8 +115,10 @@ def run_vllm_builtin(llm, samples, out: Path):
 
 
 def vllm_engines(modes, model_dir, layer_ids, eager: bool, storage: Path, warmup, util: float | None = None,
-                 overrides: dict | None = None):
-    """The vLLM contenders with one set of engine settings (vx's), differing only in capture."""
+                 overrides: dict | None = None, lengths=None):
+    """The vLLM contenders with one set of engine settings (vx's, its step budget included: chosen
+    from the samples' lengths, as `vx extract` chooses it), differing only in capture."""
+    import numpy as np
     import torch
     from vllm import LLM
 
@@ -125,10 +127,16 @@ def vllm_engines(modes, model_dir, layer_ids, eager: bool, storage: Path, warmup
 
     on_cpu = not torch.cuda.is_available()
     util = util or (0.08 if on_cpu else 0.9 / len(modes))
+    engines = {}
+    if "vx-vllm" in modes:  # first: its budget is every contender's
+        engines["vx-vllm"] = VllmExtractor(model_dir, layer_ids, enforce_eager=eager, gpu_memory_utilization=util,
+                                           overrides=overrides, sample_lengths=None if lengths is None else
+                                           np.asarray(lengths))
+        overrides = dict(overrides or {}, max_num_batched_tokens=engines["vx-vllm"].max_num_batched_tokens,
+                         max_num_seqs=engines["vx-vllm"].max_num_seqs)
     kw = engine_kwargs(model_dir, layer_ids, on_cpu=on_cpu, enforce_eager=eager, gpu_memory_utilization=util,
                        overrides=overrides)
     plain = {k: v for k, v in kw.items() if k not in ("speculative_config", "kv_transfer_config", "worker_extension_cls")}
-    engines = {}
     if "vllm-bare" in modes:
         engines["vllm-bare"] = LLM(**plain)
         run_vllm_bare(engines["vllm-bare"], warmup)
@@ -150,9 +158,6 @@ def vllm_engines(modes, model_dir, layer_ids, eager: bool, storage: Path, warmup
                                                kv_transfer_config=connector,
                                                **({"enable_prefix_caching": False} if on_cpu else {}))
         run_vllm_builtin(engines["vllm-builtin-defaults"], warmup, storage)
-    if "vx-vllm" in modes:
-        engines["vx-vllm"] = VllmExtractor(model_dir, layer_ids, enforce_eager=eager, gpu_memory_utilization=util,
-                                           overrides=overrides)
     return engines
 
 
@@ -247,8 +252,8 @@ def main(argv=None):
     try:
         for i, compile_mode in enumerate(passes):
             engines = vllm_engines(vllm_modes, model_dir, layer_ids, compile_mode == "eager", tmp / "builtin",
-                                   samples[:8], overrides={"max_num_batched_tokens": args.step} if args.step else None
-                                   ) if vllm_modes else {}
+                                   samples[:8], overrides={"max_num_batched_tokens": args.step} if args.step else None,
+                                   lengths=lengths) if vllm_modes else {}
             pass_modes = [m for m in modes if m in engines or (i == 0 and m.startswith("hf-"))
                           or (m == "vx-vllm-blocks" and "vx-vllm" in engines)]
             try:

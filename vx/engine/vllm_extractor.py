@@ -74,8 +74,9 @@ class VllmExtractor:
         check_vllm_contract(kwargs)  # before any weight loads: one line naming what is missing
         # max_model_len rounded so the hidden-state block is the largest vLLM allows (vx/engine/plan.py)
         # and the step and max_num_seqs chosen from the plan and the run's lengths (vx/engine/budget.py)
+        given = dict(options, **(options.get("overrides") or {}))  # the caller's step and count are kept
         kwargs, self.plan, self.budget = plan_capture_engine(
-            kwargs, len(layer_ids), lengths, options.get("max_num_batched_tokens"), options.get("max_num_seqs"))
+            kwargs, len(layer_ids), lengths, given.get("max_num_batched_tokens"), given.get("max_num_seqs"))
         dtype_bytes = 4 if kwargs["dtype"] == "float32" else 2
         check_tensor_parallel_pages(model_dir, kwargs["tensor_parallel_size"], len(layer_ids), dtype_bytes)
         without_tokenizer()
