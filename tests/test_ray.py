@@ -1,6 +1,7 @@
-"""--ray on a real local Ray cluster (started here by ray.init, 2 CPUs as resources) writing to
-a real S3 endpoint: the partitions run as Ray tasks, a partition task killed once is retried by
-Ray and resumes from its manifest, and S3 holds the single-process dataset, exactly once."""
+"""--ray on real local Ray clusters (two nodes of one CPU each, and one node started by ray.init
+with 2 CPUs as resources) writing to a real S3 endpoint: the partitions run as Ray tasks, a
+partition task killed once is retried by Ray and resumes from its manifest, and S3 holds the
+single-process dataset, exactly once."""
 
 import json
 import sys
@@ -29,8 +30,25 @@ def ray_cluster(tiny_model):
     ray.shutdown()
 
 
-def test_partitions_run_as_ray_tasks_and_a_killed_one_is_retried_exactly_once(ray_cluster, s3_server,  # noqa: F811
-                                                                               tmp_path):
+@pytest.fixture
+def two_nodes(tiny_model):
+    """A Ray cluster of two nodes on this machine: a head and a worker node, each its own raylet,
+    object store and worker processes, started before (and so without) the driver's settings, one
+    CPU each: the two partitions' tasks cannot share a node."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=1, include_dashboard=False,
+                                                                object_store_memory=128 << 20))
+    cluster.add_node(num_cpus=1, object_store_memory=128 << 20)
+    yield cluster.address
+    cluster.shutdown()
+
+
+def test_partitions_run_as_ray_tasks_on_two_nodes_and_a_killed_one_is_retried_exactly_once(two_nodes, s3_server,  # noqa: F811
+                                                                                          tmp_path):
+    """The plan and the driver's settings (here VX_FAULT*, which no node was started with) reach the
+    task on the node that is not the driver's; the killed partition resumes from S3's manifest."""
+    ray_cluster = two_nodes
     url, client = s3_server
     single, marker = tmp_path / "single", tmp_path / "killed-once"
     env = dict(CREDS, VX_FAULT="after-batch:2", VX_FAULT_PARTITION="1", VX_FAULT_ONCE=str(marker))
@@ -41,6 +59,7 @@ def test_partitions_run_as_ray_tasks_and_a_killed_one_is_retried_exactly_once(ra
     assert marker.exists(), "the fault never fired"
     s = json.loads(r.stdout)  # stdout holds the summary only; Ray's retry notice went to stderr
     assert [p["attempts"] for p in s["partitions"]] == [1, 2]
+    assert len({p["node_id"] for p in s["partitions"]}) == 2, s["partitions"]  # one partition on each node
     assert s["samples"] == 64 and s["tokens"] == 22544
     assert vx_cmd("extract", CHAT, "-o", str(single), "--backend", "hf").returncode == 0
     download(client, "vx-out", "ray", tmp_path / "copy")

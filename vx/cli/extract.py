@@ -175,7 +175,7 @@ def _print_summary(s, report) -> None:
         for p in s.partitions:
             print(f"partition {p['partition']:<3} {p['samples']:,} samples, {p['tokens']:,} tokens, "
                   f"extract {p['extract_s']:.1f}s, done at {p['finished_s']:.1f}s"
-                  + (f", node {p['node']}, {p['attempts']} attempt(s)" if p.get("node") else ""))
+                  + (f", node {p['node']} ({(p.get('node_id') or '')[:8]}), {p['attempts']} attempt(s)" if p.get("node") else ""))
         b = s.balance
         print(f"balance      token spread {b['token_spread']:.1%} across {len(s.partitions)} partitions, finish times "
               f"within {b['finish_spread_s']:.1f}s")

@@ -82,6 +82,7 @@ def _run_ray(cfg: ExtractConfig, progress: bool | None, worker: str, prepare, fi
                                 "Committed shards are kept")
     s = combine(cfg, job.backend, results, time.perf_counter() - t0, time.perf_counter() - t_start, balance)
     for p in s.partitions:
-        p.update(node=results[p["partition"]].get("node"), attempts=attempts.get(p["partition"], 1))
+        r = results[p["partition"]]
+        p.update(node=r.get("node"), node_id=r.get("node_id"), attempts=attempts.get(p["partition"], 1))
     s.set_mfu(terms, bar.meter)
     return finish(cfg, results, s) if finish is not None else s

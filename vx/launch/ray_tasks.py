@@ -83,7 +83,8 @@ def partition_task(config: dict, plan: dict, env: dict, sink, module: str) -> di
         if proc.returncode != 0 or "summary" not in got:
             raise RuntimeError(f"partition {index} worker exited {proc.returncode} on "
                                f"{ray.util.get_node_ip_address()}: {last_line(log)}")
-    return dict(got["summary"], node=ray.util.get_node_ip_address(), attempt=attempt)
+    return dict(got["summary"], node=ray.util.get_node_ip_address(), node_id=ray.get_runtime_context().get_node_id(),
+                attempt=attempt)
 
 
 def require_ray() -> None:
