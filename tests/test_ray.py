@@ -59,7 +59,9 @@ def test_partitions_run_as_ray_tasks_on_two_nodes_and_a_killed_one_is_retried_ex
     assert marker.exists(), "the fault never fired"
     s = json.loads(r.stdout)  # stdout holds the summary only; Ray's retry notice went to stderr
     assert [p["attempts"] for p in s["partitions"]] == [1, 2]
-    assert len({p["node_id"] for p in s["partitions"]}) == 2, s["partitions"]  # one partition on each node
+    first = [p["attempt_nodes"][0] for p in s["partitions"]]
+    assert len(set(first)) == 2 and all(first), s["partitions"]  # began one on each node
+    assert s["partitions"][1]["attempt_nodes"][-1] == s["partitions"][1]["node_id"]
     assert s["samples"] == 64 and s["tokens"] == 22544
     assert vx_cmd("extract", CHAT, "-o", str(single), "--backend", "hf").returncode == 0
     download(client, "vx-out", "ray", tmp_path / "copy")

@@ -83,6 +83,7 @@ def _run_ray(cfg: ExtractConfig, progress: bool | None, worker: str, prepare, fi
     s = combine(cfg, job.backend, results, time.perf_counter() - t0, time.perf_counter() - t_start, balance)
     for p in s.partitions:
         r = results[p["partition"]]
-        p.update(node=r.get("node"), node_id=r.get("node_id"), attempts=attempts.get(p["partition"], 1))
+        nodes = attempts.get(p["partition"]) or [r.get("node_id")]
+        p.update(node=r.get("node"), node_id=r.get("node_id"), attempts=len(nodes), attempt_nodes=nodes)
     s.set_mfu(terms, bar.meter)
     return finish(cfg, results, s) if finish is not None else s

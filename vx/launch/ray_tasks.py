@@ -36,12 +36,17 @@ class ProgressSink:
 
     def __init__(self):
         self.seen: dict[str, tuple[int, dict]] = {}
+        self.nodes: dict[str, str] = {}  # attempt -> its Ray node id, in the order attempts began
 
-    def report(self, key: str, index: int, rec: dict) -> None:
+    def report(self, key: str, index: int, rec: dict, node_id: str = "") -> None:
         self.seen[key] = (index, rec)
+        self.nodes.setdefault(key, node_id)
 
     def snapshot(self) -> dict[str, tuple[int, dict]]:
         return self.seen
+
+    def attempt_nodes(self) -> dict[str, str]:
+        return self.nodes
 
 
 def plan_payload(plan_file) -> dict:
@@ -57,10 +62,11 @@ def partition_task(config: dict, plan: dict, env: dict, sink, module: str) -> di
     import ray
 
     index, attempt = config["partition_index"], uuid.uuid4().hex[:8]
+    node_id = ray.get_runtime_context().get_node_id()
     got: dict = {}
 
     def relay(rec: dict) -> None:
-        sink.report.remote(f"{index}-{attempt}", index, rec)
+        sink.report.remote(f"{index}-{attempt}", index, rec, node_id)
         if rec["vx"] == "summary":
             got["summary"] = rec["summary"]
 
@@ -83,8 +89,7 @@ def partition_task(config: dict, plan: dict, env: dict, sink, module: str) -> di
         if proc.returncode != 0 or "summary" not in got:
             raise RuntimeError(f"partition {index} worker exited {proc.returncode} on "
                                f"{ray.util.get_node_ip_address()}: {last_line(log)}")
-    return dict(got["summary"], node=ray.util.get_node_ip_address(), node_id=ray.get_runtime_context().get_node_id(),
-                attempt=attempt)
+    return dict(got["summary"], node=ray.util.get_node_ip_address(), node_id=node_id, attempt=attempt)
 
 
 def require_ray() -> None:
@@ -128,10 +133,10 @@ def cpus_per_node() -> int:
 
 
 def run_tasks(configs: list[dict], plan: dict, num_gpus: int, max_retries: int, tally: Tally,
-              module: str, stop_others: str | None = None) -> tuple[dict[int, dict], dict[int, str], dict[int, int]]:
+              module: str, stop_others: str | None = None) -> tuple[dict[int, dict], dict[int, str], dict[int, list]]:
     """Each partition's worker config as a Ray task (retried up to max_retries times), progress
     folded into tally. Returns (summary of each finished partition, with its node and finish
-    time; reason of each that failed; attempts of each). A partition whose retries are spent
+    time; reason of each that failed; the Ray node id of each attempt of each, in order). A partition whose retries are spent
     leaves the others to finish, unless stop_others (why) is given: then the others are
     cancelled, their workers stopped as Ctrl-C stops a run (committed work kept)."""
     import ray
@@ -157,9 +162,10 @@ def run_tasks(configs: list[dict], plan: dict, num_gpus: int, max_retries: int, 
                 if stop_others and refs:
                     _cancel_all(refs, results, failed, t_start, stop_others)
                     break
-    attempts: dict[int, int] = {}
-    for key, (index, _) in ray.get(sink.snapshot.remote()).items():
-        attempts[index] = attempts.get(index, 0) + 1
+    attempts: dict[int, list[str]] = {}  # each partition's attempts: their nodes, in order
+    seen, nodes = ray.get([sink.snapshot.remote(), sink.attempt_nodes.remote()])
+    for key, (index, _) in seen.items():
+        attempts.setdefault(index, []).append(nodes.get(key, ""))
     return results, failed, attempts
 
 
