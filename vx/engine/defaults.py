@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# engine_kwargs' GPU step and count where none is given: the capture engine replaces them with the
+# budget chosen from its plan and the run's lengths (vx/engine/budget.py); `vx selftest` keeps this step
 MAX_NUM_BATCHED_TOKENS = 8192  # a full prefill step: ~25 average (335-token) samples
 MAX_NUM_SEQS = 128             # in flight: 2x what one full step finishes, GDN state still fits
 # On CPU: vLLM's default step is 4,096 tokens. The extract_hidden_states method adds a fixed cost
