@@ -1,5 +1,5 @@
 """Shared pieces of the benchmarks: the real-vocabulary bench model, real chat samples, memory
-sampling, FLOP counting and the measured matmul peak."""
+sampling, FLOP counting, the measured matmul peak and a local S3 endpoint."""
 
 from __future__ import annotations
 
@@ -194,3 +194,31 @@ def write_result(bench: str, result: dict, out: str | os.PathLike | None = None,
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(dict(result, bench=bench, written=stamp), indent=2) + "\n")
     return path
+
+
+def moto_server(bucket: str = "vx-bench"):
+    """moto's S3 server in its own process on a free loopback port, with `bucket` made: (process,
+    endpoint URL). The caller kills the process."""
+    import socket
+    import subprocess
+    import sys
+
+    import boto3
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    client = boto3.client("s3", endpoint_url=url)
+    deadline = time.time() + 60
+    while True:
+        try:
+            client.create_bucket(Bucket=bucket)
+            return proc, url
+        except Exception:
+            if time.time() > deadline:
+                proc.kill()
+                raise
+            time.sleep(0.3)

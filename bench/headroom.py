@@ -24,8 +24,6 @@ import json
 import os
 import resource
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -133,29 +131,13 @@ _LAST: dict = {}
 
 
 def s3_run(root: Path, total: int, dtype: str, shard_mb: int) -> dict:
-    import boto3
-
+    from common import moto_server
     from vx.s3_client import parse_s3_url
     from vx.store.uploader import Uploader
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
     os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
+    server, url = moto_server()
     try:
-        client = boto3.client("s3", endpoint_url=url)
-        deadline = time.time() + 60
-        while True:
-            try:
-                client.create_bucket(Bucket="vx-bench")
-                break
-            except Exception:
-                if time.time() > deadline:
-                    raise
-                time.sleep(0.3)
         out = root / f"s3-{dtype}"
         out.mkdir()
         up = Uploader(out, parse_s3_url("s3://vx-bench/run"), url).start()

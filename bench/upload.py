@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import write_result  # noqa: E402
+from common import moto_server, write_result  # noqa: E402
 
 SHARD = 256 << 20
 
@@ -40,28 +40,6 @@ SHARD = 256 << 20
 def cpu() -> tuple[float, float]:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime, r.ru_stime
-
-
-def moto() -> tuple[subprocess.Popen, str]:
-    import boto3
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    client = boto3.client("s3", endpoint_url=url)
-    deadline = time.time() + 60
-    while True:
-        try:
-            client.create_bucket(Bucket="vx-bench")
-            return proc, url
-        except Exception:
-            if time.time() > deadline:
-                proc.kill()
-                raise
-            time.sleep(0.3)
 
 
 def shards(out: Path, total: int) -> None:
@@ -189,7 +167,7 @@ def main(argv=None):
 
     root = Path(tempfile.mkdtemp(prefix="vx-upload-"))
     shards(root / "out", int(args.gb * 1e9))
-    proc, url = moto()
+    proc, url = moto_server()
     res: dict = {"shard_bytes": SHARD, "server": "moto over HTTP, its own process (not counted)", "runs": []}
     try:
         for rep in range(args.reps):  # interleaved, so that drift of the host's speed hits both alike
