@@ -103,14 +103,11 @@ def run_extract(cfg: ExtractConfig, progress: bool | None = None, reporter=None,
     lines = plan = None
     if cfg.partitioned:
         cfg, out, lines, plan = _enter_partition(cfg, job, root, whole_source=source is not None)
-    lengths = None  # the samples' token counts, where a plan has them: the engine's max_model_len and step budget
-    if job.backend == "vllm" and not cfg.max_model_len:
+    lengths = None  # the samples' token counts: the engine's max_model_len and step budget
+    if job.backend == "vllm" and (plan is not None or not cfg.max_model_len):  # no plan is made for them alone
         lengths = engine_lengths(cfg, job, plan)
+    if job.backend == "vllm" and not cfg.max_model_len:
         cfg = replace(cfg, max_model_len=max_model_len_for(lengths, job))
-    elif job.backend == "vllm" and plan is not None:  # no plan is made for them alone
-        from vx.launch.plan import sample_lengths
-
-        lengths = sample_lengths(plan, cfg.partition_index)
     out.reset_or_sync(cfg.overwrite)
     elsewhere = root.committed_elsewhere(exclude=out)  # other partitions, of this run or an earlier one
     with out.lock():
