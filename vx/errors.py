@@ -1,5 +1,6 @@
 """vx's error types, and the one place that maps errors to exit codes: 0 ok, 1 runtime failure,
-2 usage error, 3 the engine died (committed work is kept: rerun to continue), 130 interrupted
+2 usage error, 3 the engine died (committed work is kept: rerun to continue), 4 another writer
+took the S3 output over (its samples are that writer's to write), 130 interrupted
 (Ctrl-C), 143 terminated (SIGTERM). User errors print one line on
 stderr, never a traceback (set VX_DEBUG=1 for one). The CLI and every partition worker run through
 run_guarded."""
@@ -45,6 +46,13 @@ class EngineDied(VxError):
     """An engine vx started died (or stopped answering): exit code 3, committed work is kept."""
 
     exit_code = 3
+
+
+class OwnershipLost(VxError):
+    """A newer writer took this writer's S3 prefix (vx/store/fence.py): it stopped before writing
+    more, and the owner writes its samples (exit code 4)."""
+
+    exit_code = 4
 
 
 class Terminated(KeyboardInterrupt):

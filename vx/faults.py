@@ -3,7 +3,9 @@
 
 Actions: `kill` (default: SIGKILL of the process itself, what a dead machine or the OOM killer
 does), `eio` / `enospc` (raise OSError EIO / ENOSPC, a failing or full disk), `stall` (sleep
-VX_FAULT_STALL_S seconds, default 3600: a hung mount or a throttled endpoint). Every point is in
+VX_FAULT_STALL_S seconds, default 3600: a hung mount or a throttled endpoint; with
+`VX_FAULT_STALL_UNTIL=FILE`, until FILE exists, within that bound: a writer paused by a network
+partition or a hung host, woken when a test says so). Every point is in
 POINTS with the durable step it stands before (tests/test_architecture.py holds POINTS and the
 code's calls equal). `engine-step` and `engine-sample` are in the vLLM engine core: they act on
 the engine under a live driver.
@@ -101,7 +103,9 @@ def point(name: str) -> None:
     if _ACTION == "eio":
         raise OSError(errno.EIO, f"Input/output error (injected at {name})")
     if _ACTION == "stall":
-        time.sleep(float(os.environ.get("VX_FAULT_STALL_S", "3600")))
+        until, end = os.environ.get("VX_FAULT_STALL_UNTIL"), time.monotonic() + float(os.environ.get("VX_FAULT_STALL_S", "3600"))
+        while time.monotonic() < end and not (until and os.path.exists(until)):
+            time.sleep(0.1 if until else max(0.0, end - time.monotonic()))
         return
     os.kill(os.getpid(), signal.SIGKILL)
 

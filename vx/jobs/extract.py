@@ -20,6 +20,7 @@ from vx.jobs.summary import Summary
 from vx.jobs.monitoring import watch_writer
 from vx.monitor.flops import mfu_terms
 from vx.monitor.progress import RunProgress
+from vx.store.fence import OwnershipLost
 from vx.store.format import ERRORS, RETAIN
 from vx.store.output import ErrorLog, Output
 from vx.store.writer import ShardWriter
@@ -111,6 +112,7 @@ def run_extract(cfg: ExtractConfig, progress: bool | None = None, reporter=None,
     out.reset_or_sync(cfg.overwrite)
     elsewhere = root.committed_elsewhere(exclude=out)  # other partitions, of this run or an earlier one
     with out.lock():
+        out.take()  # with S3: this process is now the prefix's one writer (vx/store/fence.py)
         return _extract_locked(cfg, job, out, lines, elsewhere, progress, reporter, t0, root, started,
                                before_publish, captured, lengths)
 
@@ -122,7 +124,7 @@ def _retainer(cfg: ExtractConfig, out: Output, root: Output, budget: int):
     part = out.local.name if out is not root else ""
     where = str(root.target) if root.target is not None else str(root.local)
     root.put_small(RETAIN, {"retain_gb": cfg.retain_gb, "writers": cfg.num_partitions if cfg.partitioned else 1})
-    return Retainer(where, cfg.endpoint_url, part, out.local, budget).start()
+    return Retainer(where, cfg.endpoint_url, part, out.local, budget, fence=out.fence).start()
 
 
 def _extract_locked(cfg, job, out: Output, lines, elsewhere, progress, reporter, t0, root=None,
@@ -134,6 +136,8 @@ def _extract_locked(cfg, job, out: Output, lines, elsewhere, progress, reporter,
         out.publish_meta()  # from now on the S3 prefix holds this extraction
     skip = frozenset(state.committed_ids | elsewhere)
     shard_meta = {k: json.dumps(v) if isinstance(v, list) else str(v) for k, v in meta.items()}
+    if out.fence is not None:  # the writer's id names its shards: two attempts never write one key
+        shard_meta["attempt"] = out.fence.owner.attempt
     max_local = int(cfg.max_local_gb * 1e9) if cfg.max_local_gb else None
     retain = int(cfg.retain_gb * 1e9 / (cfg.num_partitions if cfg.partitioned else 1)) if cfg.retain_gb else None
     if retain is not None:  # the writer's local backpressure is the bound: consumed shards leave both copies
@@ -151,6 +155,8 @@ def _extract_locked(cfg, job, out: Output, lines, elsewhere, progress, reporter,
 
     def good_samples() -> Iterator[Sample]:
         for item in read_samples(job.source, job.tokenize, skip_ids=skip, lines=lines):
+            if uploader is not None:
+                uploader.raise_if_lost()  # another writer took the prefix: stop computing for it
             if isinstance(item, BadLine):
                 errors.write(item.to_json())
                 bar.skip(1)
@@ -188,15 +194,20 @@ def _extract_locked(cfg, job, out: Output, lines, elsewhere, progress, reporter,
             engine_plan = (wstats.get("hidden_block"), wstats.get("plan"))
             if cfg.strict and wstats.get("rejected"):
                 raise VxError(f"{len(wstats['rejected'])} samples rejected (--strict): {wstats['rejected'][:3]}")
-    except BaseException:
+    except BaseException as e:
+        lost = None
         if uploader is not None:  # committed shards still go up; the original error wins
             try:
                 uploader.finish()
+            except OwnershipLost as x:  # unless it is the loss of the prefix (a writer waiting for room says less)
+                lost = x
             except Exception:
                 pass
         if retainer is not None:
             retainer.stop(raise_error=False)
         bar.close("failed")
+        if lost is not None and lost is not e and isinstance(e, Exception):
+            raise lost from None
         raise
     finally:
         errors.close()

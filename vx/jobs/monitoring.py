@@ -22,7 +22,7 @@ def watch_writer(bar, cfg, out, terms: dict, errors=None, uploader=None, total: 
         m.sources.append(lambda: {"bad_records": errors.count})
     if uploader is not None:
         m.sources.append(uploader.figures)
-    bar.add_sink(ProgressLog(out.local, out.target, out.endpoint_url))
+    bar.add_sink(ProgressLog(out.local, out.target, out.endpoint_url, fence=out.fence))
     server = serve_metrics(cfg.metrics_port, label)  # a launcher's workers have none: the launcher serves
     if server is not None:
         bar.add_sink(server.update)

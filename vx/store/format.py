@@ -1,6 +1,7 @@
 """Shard files and the manifest: the on-disk format (vx/store/writer.py writes it).
 
-A shard `shard-NNNNN.safetensors` holds N samples packed along the token axis:
+A shard `shard-NNNNN.safetensors` holds N samples packed along the token axis (in an S3 output
+`shard-NNNNN-<attempt>.safetensors`: the id of the writer that wrote it, vx/store/fence.py):
   hidden_states [sum T, L, H]  store dtype (bf16 default)
   input_ids     [sum T]        int32
   loss_mask     [sum T]        uint8
@@ -27,6 +28,7 @@ from vx import faults
 from vx.store.checksum import Crc64
 
 MANIFEST = "manifest.jsonl"
+SHARD_PREFIX = "shard-"
 ERRORS = "errors.jsonl"
 RUN_META = "vx.json"
 SHARD_FORMAT = "vx-shard-1"
@@ -44,8 +46,10 @@ def row_bytes(dtype: torch.dtype, shape) -> int:
     return n
 
 
-def shard_name(index: int, compress: str | None = None) -> str:
-    return f"shard-{index:05d}.safetensors" + (".zst" if compress == "zstd" else "")
+def shard_name(index: int, compress: str | None = None, attempt: str | None = None) -> str:
+    """attempt: an S3 output's writer's id (vx/store/fence.py), so two attempts never write one key."""
+    return f"{SHARD_PREFIX}{index:05d}" + (f"-{attempt}" if attempt else "") + ".safetensors" + \
+        (".zst" if compress == "zstd" else "")
 
 
 class _HashingFile:

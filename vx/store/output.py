@@ -64,6 +64,7 @@ class ResumeState:
 class Output:
     def __init__(self, local: Path, target=None, endpoint_url: str | None = None, staged: bool = False):
         self.local, self.target, self.endpoint_url, self.staged = Path(local), target, endpoint_url, staged
+        self.fence = None  # with S3, once this process writes here: its hold on the prefix (take())
 
     @classmethod
     def of(cls, cfg) -> "Output":
@@ -155,6 +156,37 @@ class Output:
                   f"their {lost} samples will be redone", file=sys.stderr)
             write_manifest(self.local / MANIFEST, keep)
 
+    def take(self) -> None:
+        """With S3, in this output's lock: become the one writer of its prefix (vx/store/fence.py),
+        and make the local manifest the one taken over, plus staged shards S3 does not hold yet
+        whose samples it does not list (those are committed here, and go up next)."""
+        if self.target is None:
+            return
+        from vx.s3_client import make_client
+        from vx.store.fence import Fence
+        from vx.store.s3 import remote_dropped
+
+        self.fence = Fence.take(make_client(self.endpoint_url), self.target)
+        remote = self.fence.records
+        names = {r["shard"] for r in remote} | remote_dropped(self.target, self.endpoint_url)
+        ids = {sid for r in remote for sid in r["sample_ids"]}
+        records = read_manifest(self.local)
+        keep = list(remote)
+        for r in records:
+            if r["shard"] in names:
+                continue
+            if (self.local / r["shard"]).exists() and not ids.intersection(r["sample_ids"]):
+                keep.append(r)
+            else:  # another writer's samples since, or a shard neither staged nor in S3: redone if not listed
+                (self.local / r["shard"]).unlink(missing_ok=True)
+        if keep != records and (keep or records):
+            lost = len([r for r in records if r not in keep and r["shard"] not in names])
+            if lost:
+                print(f"vx: {lost} committed shards are neither staged nor in {self.target}; their samples will be "
+                      "redone unless another writer committed them", file=sys.stderr)
+            self.local.mkdir(parents=True, exist_ok=True)
+            write_manifest(self.local / MANIFEST, keep)
+
     def prepare_root(self, meta: dict, overwrite: bool) -> None:
         """Launchers, once before their workers start: --overwrite, identity, root vx.json."""
         self.reset_or_sync(overwrite)
@@ -169,12 +201,21 @@ class Output:
         self.local.mkdir(parents=True, exist_ok=True)
         check_identity(self.local, meta)
         write_meta(self.local, meta)
-        self.publish_meta()
+        self.publish_meta(only_new=True)
 
-    def publish_meta(self) -> None:
-        if self.target is not None:
-            from vx.store.s3 import put_file
+    def publish_meta(self, only_new: bool = False) -> None:
+        """vx.json to S3: through this writer's fence where it holds the prefix; only_new: only
+        where there is none (a partition worker's root, which the launcher wrote)."""
+        if self.target is None:
+            return
+        if self.fence is not None:
+            self.fence.put(RUN_META, (self.local / RUN_META).read_bytes())
+            return
+        from vx.store.s3 import put_file, put_new
 
+        if only_new:
+            put_new(self.target, self.endpoint_url, self.local / RUN_META, RUN_META)
+        else:
             put_file(self.target, self.endpoint_url, self.local / RUN_META, RUN_META)
 
     def lock(self):
@@ -189,6 +230,8 @@ class Output:
         if self.target is not None:
             from vx.s3_client import make_client
 
+            if self.fence is not None:
+                self.fence.check()
             make_client(self.endpoint_url).delete_object(Bucket=self.target.bucket, Key=self.target.key(END))
 
     def ended(self) -> bool:
@@ -206,7 +249,9 @@ class Output:
         """A small JSON file of this output, written atomically here and put to S3."""
         self.local.mkdir(parents=True, exist_ok=True)
         write_atomically(self.local / name, json.dumps(record) + "\n")
-        if self.target is not None:
+        if self.fence is not None:
+            self.fence.put(name, (self.local / name).read_bytes())
+        elif self.target is not None:
             from vx.store.s3 import put_file
 
             put_file(self.target, self.endpoint_url, self.local / name, name)
@@ -217,7 +262,7 @@ class Output:
         from vx.store.uploader import Uploader
 
         return Uploader(self.local, self.target, self.endpoint_url, keep_local=keep_local,
-                        max_local_bytes=max_local_bytes, before_publish=before_publish).start()
+                        max_local_bytes=max_local_bytes, before_publish=before_publish, fence=self.fence).start()
 
 
 def check_identity(out: Path, meta: dict) -> None:

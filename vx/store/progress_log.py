@@ -26,8 +26,10 @@ HISTORY_EVERY = 60.0  # seconds between puts of the history to S3
 class ProgressLog:
     """A sink of vx.monitor.meter.Ticker: sink(snapshot, final)."""
 
-    def __init__(self, local: Path, target=None, endpoint_url: str | None = None, every: float | None = None):
+    def __init__(self, local: Path, target=None, endpoint_url: str | None = None, every: float | None = None,
+                 fence=None):
         self.local, self.target, self.endpoint_url = Path(local), target, endpoint_url
+        self.fence = fence  # the writer's hold on its S3 prefix (vx/store/fence.py): checked before a put
         self.every = float(os.environ.get("VX_PROGRESS_RECORD_EVERY", EVERY)) if every is None else every
         self._last = self._last_history = 0.0
         self._client = None
@@ -46,6 +48,8 @@ class ProgressLog:
             f.write(line)
         if self.target is None:
             return
+        if self.fence is not None:
+            self.fence.check()  # a writer that lost its prefix writes no record there
         client = self._s3()
         client.put_object(Bucket=self.target.bucket, Key=self.target.key(PROGRESS), Body=line.encode())
         if final or now - self._last_history >= HISTORY_EVERY:

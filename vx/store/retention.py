@@ -65,8 +65,9 @@ class Retainer:
     """Deletes this writer's consumed shards (see the module docstring); a daemon thread."""
 
     def __init__(self, root: str, endpoint_url: str | None, part: str, local_dir: Path, budget: int,
-                 poll: float = 0.5):
+                 poll: float = 0.5, fence=None):
         self.stream = Stream(root, endpoint_url)
+        self.fence = fence  # the writer's hold on its S3 prefix: checked before each write there
         self.part, self.local_dir, self.budget, self.poll = part, Path(local_dir), budget, poll
         self.dropped: list[str] = []
         self.dropped_bytes = 0
@@ -92,6 +93,7 @@ class Retainer:
             (self.local_dir / name).unlink(missing_ok=True)
         src = self.stream.src
         if src.remote and self.dropped:
+            self._check()
             keys = [{"Key": src.target.key(prefix + n)} for n in self.dropped]
             for i in range(0, len(keys), 1000):  # idempotent: deleting a deleted key is a success
                 src.client.delete_objects(Bucket=src.target.bucket, Delete={"Objects": keys[i:i + 1000], "Quiet": True})
@@ -135,6 +137,7 @@ class Retainer:
             os.fsync(f.fileno())
         tmp.replace(self.local_dir / DROPPED)
         if src.remote:
+            self._check()
             key = f"{self.part}/{DROPPED}" if self.part else DROPPED
             src.client.put_object(Bucket=src.target.bucket, Key=src.target.key(key), Body=body.encode())
         faults.point("before-retain-delete")
@@ -144,6 +147,10 @@ class Retainer:
             (self.local_dir / rec["shard"].rpartition("/")[2]).unlink(missing_ok=True)
             faults.point("after-retain-delete")
             self.dropped_bytes += rec["bytes"]
+
+    def _check(self) -> None:
+        if self.fence is not None:
+            self.fence.check()
 
     def stop(self, raise_error: bool = True) -> None:
         self._stop.set()

@@ -10,6 +10,7 @@ from pathlib import Path
 from vx.errors import UsageError
 from vx.s3_client import S3Target, make_client
 from vx.store.format import DROPPED, MANIFEST, READERS, RUN_FILES, RUN_META, TEXT_ERRORS, TEXT_FILES, TEXT_SEGMENTS
+from vx.store.fence import probe as conditional_writes_probe
 from vx.store.lock import write_atomically
 
 
@@ -29,6 +30,7 @@ def preflight(target: S3Target, endpoint_url: str | None) -> None:
         probe = target.key(".vx-write-probe")
         client.put_object(Bucket=target.bucket, Key=probe, Body=b"")
         client.delete_object(Bucket=target.bucket, Key=probe)
+        conditional_writes_probe(client, target)  # refused in one line where the endpoint ignores them
     except NoCredentialsError:
         raise UsageError(f"no AWS credentials for {where}: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a "
                          "profile, or an instance role") from None
@@ -154,6 +156,18 @@ def remote_exists(target: S3Target, endpoint_url: str | None, name: str) -> bool
 
 def put_file(target: S3Target, endpoint_url: str | None, path: Path, name: str) -> None:
     make_client(endpoint_url).upload_file(str(path), target.bucket, target.key(name))
+
+
+def put_new(target: S3Target, endpoint_url: str | None, path: Path, name: str) -> None:
+    """path as target's `name` only where there is none yet (a conditional create)."""
+    from botocore.exceptions import ClientError
+
+    try:
+        make_client(endpoint_url).put_object(Bucket=target.bucket, Key=target.key(name), Body=path.read_bytes(),
+                                             IfNoneMatch="*")
+    except ClientError as e:
+        if e.response.get("Error", {}).get("Code") not in ("PreconditionFailed", "ConditionalRequestConflict"):
+            raise
 
 
 def clear_remote(target: S3Target, endpoint_url: str | None) -> int:

@@ -8,6 +8,11 @@ and that checksum by a HEAD; record it in the S3 manifest (flushed every few sec
 and only after that flush delete the local file (unless --keep-local). The S3 prefix then holds
 the layout of a local output directory: shards, manifest.jsonl, errors.jsonl, vx.json.
 
+One writer a prefix: the uploader writes only through its Fence (vx/store/fence.py). The S3
+manifest is a compare-and-swap on the ETag this writer last wrote, every other put is preceded by
+a check of it, and a writer that lost the prefix to a newer one stops (OwnershipLost), withdrawing
+the uploads the owner's manifest does not list.
+
 Backpressure: the writer will not start a shard while local shards would exceed --max-local-gb;
 it waits for the uploader to free space, so nothing is dropped. Retries with backoff for 5xx and
 throttling come from the CRT's (or botocore's) standard retry mode; `upload_retries` counts the
@@ -19,6 +24,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -27,8 +33,8 @@ from vx import faults
 from vx.errors import VxError
 from vx.store import checksum, crt_s3
 from vx.s3_client import S3Target, make_client
-from vx.store.format import ERRORS, MANIFEST, RUN_META
-from vx.store.s3 import remote_manifest
+from vx.store.fence import Fence, OwnershipLost
+from vx.store.format import ERRORS, MANIFEST, RUN_META, read_manifest
 
 MANIFEST_FLUSH_S = 5.0
 
@@ -66,7 +72,7 @@ class Uploader:
 
     def __init__(self, out: Path, target: S3Target, endpoint_url: str | None, keep_local: bool = False,
                  max_local_bytes: int | None = None, part_mb: int | None = None, concurrency: int = 8,
-                 before_publish=None):
+                 before_publish=None, fence: Fence | None = None):
         from boto3.s3.transfer import TransferConfig
 
         part_mb = part_mb or int(os.environ.get("VX_S3_PART_MB", "64"))  # S3's least is 5 (MiB)
@@ -80,13 +86,17 @@ class Uploader:
         self.transfer = TransferConfig(multipart_threshold=part_mb << 20, multipart_chunksize=part_mb << 20,
                                        max_concurrency=concurrency)
         self.crt = crt_s3.CrtS3(self.client, part_mb << 20, concurrency) if crt_s3.wanted() else None
-        self.uploaded: list[dict] = self._remote_manifest()
+        # this writer's hold on the prefix: every write below goes through it (vx/store/fence.py)
+        self.fence = fence if fence is not None else Fence.take(self.client, target)
+        self.uploaded: list[dict] = list(self.fence.records)
         self._announced = len(self.uploaded)  # shards before_publish was called for
         self._done = {r["shard"] for r in self.uploaded}
+        self._sent: set[str] = set()  # shard names this writer began to upload (withdrawn if it loses)
         if not keep_local:  # a crash between the S3 manifest flush and the local delete left these
             for name in self._done:
                 (self.out / name).unlink(missing_ok=True)
-        self._abort_open_uploads()
+        # what writers before this one left: open multipart uploads, shards no manifest lists
+        self.fence.sweep(keep=self._done | {r["shard"] for r in read_manifest(self.out)})
         self._to_delete: list[str] = []
         self._offset = 0
         self._stop = threading.Event()
@@ -106,19 +116,6 @@ class Uploader:
     def start(self) -> "Uploader":
         self._thread.start()
         return self
-
-    def _abort_open_uploads(self) -> None:
-        """A writer killed mid-transfer leaves its multipart upload open: parts S3 keeps (and bills)
-        but never lists. This writer owns its shard keys (the output lock), so abort them: the
-        shard is uploaded again whole."""
-        prefix = self.target.key("shard-")
-        for page in self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.target.bucket,
-                                                                                 Prefix=prefix):
-            for u in page.get("Uploads", []):
-                self.client.abort_multipart_upload(Bucket=self.target.bucket, Key=u["Key"], UploadId=u["UploadId"])
-
-    def _remote_manifest(self) -> list[dict]:
-        return remote_manifest(self.target, None, self.client)
 
     def _new_records(self) -> list[dict]:
         path = self.out / MANIFEST
@@ -146,8 +143,34 @@ class Uploader:
                     return
                 self._stop.wait(0.1)
         except BaseException as e:  # surfaced by finish(); a waiting writer sees the marker file
-            self.error = e
-            (self.out / UPLOAD_FAILED).write_text(f"{type(e).__name__}: {e}\n")
+            self.error = self._lost_or(e)
+            if isinstance(self.error, OwnershipLost):
+                self._withdraw()
+            (self.out / UPLOAD_FAILED).write_text(f"{type(self.error).__name__}: {self.error}\n")
+
+    def _lost_or(self, e: BaseException) -> BaseException:
+        """A failed S3 step of a writer that lost the prefix is that loss (a newer writer aborts the
+        uploads open before it took over: this one's part then fails)."""
+        if isinstance(e, OwnershipLost) or not isinstance(e, Exception):
+            return e
+        try:
+            self.fence.check()
+        except OwnershipLost as lost:
+            return lost
+        except Exception:
+            pass
+        return e
+
+    def _withdraw(self) -> None:
+        try:
+            self.fence.withdraw(self._sent)
+        except Exception as e:  # the owner's sweep removes what is left
+            print(f"vx: could not remove this writer's unlisted uploads under {self.target}: {e}", file=sys.stderr)
+
+    def raise_if_lost(self) -> None:
+        """Called by the job as it takes each sample: a writer that lost stops computing too."""
+        if isinstance(self.error, OwnershipLost):
+            raise self.error
 
     def _disk_tight(self) -> bool:
         """Uploaded shards wait for the next manifest flush before local delete; flush early when
@@ -164,6 +187,8 @@ class Uploader:
         key = self.target.key(rec["shard"])
         t = time.perf_counter()
         faults.point("before-upload")
+        self.fence.check()
+        self._sent.add(rec["shard"])
         self.send(path, key, rec)
         faults.point("after-upload")
         if not checksum.head_ok(checksum.head(self.client, self.target.bucket, key), rec):
@@ -189,16 +214,16 @@ class Uploader:
     def _flush(self) -> None:
         """Publish the S3 manifest (only verified shards), errors and vx.json; then free local disk."""
         if self.before_publish is not None and len(self.uploaded) > self._announced:
+            self.fence.check()  # what it puts is this prefix's too
             self.before_publish()
             self._announced = len(self.uploaded)
-        body = "".join(json.dumps(r) + "\n" for r in self.uploaded).encode()
         faults.point("before-s3-manifest")
-        self.client.put_object(Bucket=self.target.bucket, Key=self.target.key(MANIFEST), Body=body)
+        self.fence.publish(self.uploaded)  # a compare-and-swap on this writer's last manifest
         faults.point("after-s3-manifest")
         for name in (ERRORS, RUN_META):  # each once it changed (vx.json: once a run)
             path = self.out / name
             if path.exists() and self._published.get(name) != ((st := path.stat()).st_mtime_ns, st.st_size):
-                self.client.put_object(Bucket=self.target.bucket, Key=self.target.key(name), Body=path.read_bytes())
+                self.fence.put(name, path.read_bytes())
                 self._published[name] = (st.st_mtime_ns, st.st_size)
         if not self.keep_local:
             for name in self._to_delete:
@@ -219,6 +244,8 @@ class Uploader:
         """Upload what is left, publish the final manifest; raise if anything failed."""
         self._stop.set()
         self._thread.join()
+        if isinstance(self.error, OwnershipLost):
+            raise self.error
         if self.error is not None:
             raise VxError(f"upload to {self.target} failed: {self.error}") from self.error
         return {"uploaded_bytes": self.bytes, "upload_mb_s": self.bytes / self.seconds / 1e6 if self.seconds else 0.0}

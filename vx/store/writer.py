@@ -80,6 +80,7 @@ class ShardWriter:
         self.out_dir = Path(out_dir)
         self.guard = guard  # called before each commit; the vLLM worker's exits if its driver is gone
         self.metadata = metadata
+        self.attempt = metadata.get("attempt")  # an S3 output's writer id: in its shards' names (vx/store/fence.py)
         self.shard_bytes = shard_bytes
         self.layer_count = layer_count
         self.hidden_size = hidden_size
@@ -219,7 +220,7 @@ class ShardWriter:
             try:
                 self.commit(shard)
             except OSError as e:  # ENOSPC and friends: stop cleanly; the temp file is removed on rerun
-                self._error = VxError(f"writing shard {shard_name(shard.index)} in {self.out_dir} failed: "
+                self._error = VxError(f"writing shard {shard_name(shard.index, self.compress, self.attempt)} in {self.out_dir} failed: "
                                       f"{e.strerror or e}. Free space (or fix the disk) and rerun the same "
                                       "command to continue")
             except BaseException as e:  # surfaced to the caller on its next add()/close()
@@ -251,7 +252,7 @@ class ShardWriter:
         self.check_and_encode(s)
         if not s.ids:  # every sample rejected: nothing to write (the shard number stays unused)
             return
-        name = shard_name(s.index, self.compress)
+        name = shard_name(s.index, self.compress, self.attempt)
         tmp = self.out_dir / f".{name}.tmp"
         from vx.store.uploader import local_shard_bytes, wait_for_room
 

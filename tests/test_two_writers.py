@@ -1,0 +1,110 @@
+"""Two writers, one S3 output: the second attempt of a partition (a Ray retry beside a first
+attempt that a partition or a hang only paused, a requeued SLURM job, the same command started on
+two machines) takes the prefix over, and the first one, woken, stops at its next S3 step with one
+line naming the owner, leaving nothing behind. Whatever each printed, the output is whole: every
+sample once, every listed shard's bytes those its manifest says, nothing else under the prefix,
+every row the per-sample HF forward's.
+
+The two attempts run from two staging directories (two hosts' vx caches) against moto's S3 server
+over HTTP. The first is stalled by a failpoint before its fourth shard's upload (three uploaded and
+checked, not all listed yet), and woken once the second has finished. The second writes with a smaller --shard-size, so
+that its shards hold other samples than the first's under the same numbers, as vLLM's batching
+makes them in a real rerun (the HF backend is deterministic: equal settings would give equal bytes
+and hide a clobbered key). Checks are bench/fault_checks.py's own reading of the objects.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, machine_cache
+from test_s3 import CREDS, s3_server  # noqa: F401  (the fixture)
+
+sys.path.insert(0, str(ROOT / "bench"))
+
+import fault_checks as checks  # noqa: E402
+
+ROWS = 36
+
+
+def chats(n: int) -> list[dict]:
+    import random
+
+    rng = random.Random(7)
+    words = "two writers one output fence lease owner shard manifest retry partition heal".split()
+    return [{"id": f"w{i}", "messages": [
+        {"role": "user", "content": " ".join(rng.choices(words, k=rng.randint(4, 18)))},
+        {"role": "assistant", "content": " ".join(rng.choices(words, k=rng.randint(4, 40)))}]} for i in range(n)]
+
+
+def extract(data, out, cache, *extra, env=None, wait=True):
+    cmd = [sys.executable, "-m", "vx", "extract", str(data), "-o", str(out), "--backend", "hf", "--batch-size", "4",
+           "--json", "--progress-every", "1000", *extra]
+    e = dict(os.environ, **CREDS, VX_CACHE_DIR=machine_cache(cache), OMP_NUM_THREADS="1", **(env or {}))
+    if wait:
+        return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=e, timeout=600)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=e)
+
+
+def wait_for(pred, what: str, timeout: float = 300):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("partition", [False, True], ids=["root", "partition"])
+def test_a_paused_writer_woken_after_its_successor_finished_corrupts_nothing(s3_server, tmp_path, partition):
+    url, client = s3_server
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in chats(ROWS)))
+    prefix = f"two-{'part' if partition else 'root'}"
+    target = f"s3://vx-out/{prefix}"
+    where = ["--endpoint-url", url] + (["--num-partitions", "2", "--partition-index", "0"] if partition else [])
+    ref = extract(data, tmp_path / "ref", tmp_path / "cache-ref")  # every row is held against this run's
+    assert ref.returncode == 0, ref.stderr
+    files = checks.Output.local(tmp_path / "ref")
+    _, headers = checks.checksums_pass(files)
+    reference = {k: v for name, h in headers.items() for k, v in checks.rows_of(files.files[name], h).items()}
+
+    wake, trace = tmp_path / "wake", tmp_path / "trace-a"
+    first = extract(data, target, tmp_path / "host-a", "--shard-size", "0.3", *where, wait=False,
+                    env={"VX_FAULT": "before-upload:4:stall", "VX_FAULT_STALL_UNTIL": str(wake),
+                         "VX_FAULT_STALL_S": "400", "VX_FAULT_TRACE": str(trace)})
+    try:
+        wait_for(lambda: trace.exists() and "fired before-upload" in trace.read_text() or first.poll() is not None,
+                 "the first attempt to pause before its fourth upload")
+        assert first.poll() is None, first.communicate()[1][-2000:]
+        second = extract(data, target, tmp_path / "host-b", "--shard-size", "0.2", *where)
+        wake.touch()
+        out, err = first.communicate(timeout=300)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert first.returncode == 4, (first.returncode, err[-2000:])
+    part = "part-00000-of-00002/" if partition else ""
+    owner = client.head_object(Bucket="vx-out", Key=f"{prefix}/{part}manifest.jsonl")["Metadata"]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("vx: ") and "Traceback" not in err, err[-2000:]
+    assert f"{target}/{part}".rstrip("/") in last and "taken over by another writer" in last, last
+    assert f"pid {owner['vx-pid']} on {owner['vx-host']}" in last and f"attempt {owner['vx-attempt']}" in last, last
+    if partition:  # the other partition too: then the whole output holds every sample once
+        rest = extract(data, target, tmp_path / "host-b", "--shard-size", "0.2", "--endpoint-url", url,
+                       "--num-partitions", "2", "--partition-index", "1")
+        assert rest.returncode == 0, rest.stderr[-2000:]
+
+    files = checks.Output.s3(client, "vx-out", prefix)
+    bad = checks.exactly_once(files, [r["id"] for r in chats(ROWS)])
+    sums, headers = checks.checksums_pass(files)
+    bad += sums + checks.states_match(files, headers, reference, 0.999)
+    bad += checks.s3_listing_agrees(files, client, "vx-out", prefix)
+    assert not bad, bad
+    verify = subprocess.run([sys.executable, "-m", "vx", "verify", target, "--endpoint-url", url], capture_output=True,
+                            text=True, cwd=ROOT, env=dict(os.environ, **CREDS), timeout=300)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
