@@ -8,7 +8,10 @@ Each trial draws, from its own seed (campaign seed and trial number): a mode (`v
 hf or vllm backend, local or to S3 over HTTP (moto's server on loopback; some trials with shards
 over 5 MiB sent as multipart uploads of 5 MiB parts), --data-parallel-size 1 or 2, with a follow
 reader (vx.loader(follow=True)) in some trials and --retain-gb in some of those; `vx regenerate`;
-the one-pass mode `vx extract --regenerate`, local or to S3, --data-parallel-size 1 or 2); then a fault: one of vx.faults.POINTS that the mode
+the one-pass mode `vx extract --regenerate`, local or to S3, --data-parallel-size 1 or 2; two writers of one
+S3 output, hf or vLLM, --data-parallel-size 1 or 2: a first attempt paused at one of its uploader's
+failpoints, a second attempt from another staging directory (another host) run to its end beside it,
+the first woken then, which must stop with exit code 4 and one line); then a fault: one of vx.faults.POINTS that the mode
 passes, at its n-th pass, acting by kill (SIGKILL of itself), eio, enospc or stall; or a signal
 from outside (SIGKILL, SIGTERM or SIGINT to the driver, to its whole process group, to the vLLM
 engine core, to one partition worker) at a random moment. Some trials fault the first rerun too
@@ -30,6 +33,7 @@ trial's seed) goes to bench/results/fault_campaign-<machine>-<time>.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -54,7 +58,9 @@ from vx import faults  # noqa: E402
 
 CREDS = {"AWS_ACCESS_KEY_ID": "vx-campaign", "AWS_SECRET_ACCESS_KEY": "vx-campaign-secret",
          "AWS_DEFAULT_REGION": "us-east-1"}
-MODES = ["extract-hf", "extract-vllm", "regenerate", "one-pass"]
+MODES = ["extract-hf", "extract-vllm", "regenerate", "one-pass", "two-writers", "two-writers-vllm"]
+HF_MODES = ("extract-hf", "two-writers")  # no engine: cheap trials
+TWO = ("two-writers", "two-writers-vllm")  # a second attempt of the output beside a paused first
 WRITER = ["mid-shard-write", "before-shard-fsync", "before-rename", "before-manifest", "mid-manifest",
           "after-manifest"]
 S3 = ["before-upload", "mid-upload", "after-upload", "before-s3-manifest", "after-s3-manifest", "after-delete"]
@@ -82,13 +88,15 @@ def draw(seed: int, index: int, modes: list[str]) -> dict:
     if index < len(cover):
         return forced(rng, index, seed, modes, cover[index])
     pool = configs(modes)
-    engines = [c for c in pool if c["mode"] != "extract-hf"]
+    engines = [c for c in pool if c["mode"] not in HF_MODES]
     if engines and len(engines) < len(pool) and rng.random() >= ENGINE_SHARE:
-        pool = [c for c in pool if c["mode"] == "extract-hf"]
+        pool = [c for c in pool if c["mode"] in HF_MODES]
     elif engines:
         pool = engines
     t = dict(rng.choice(pool), index=index, seed=seed)
     t["fault"] = draw_fault(rng, t)
+    if t["mode"] in TWO:
+        return t
     if rng.random() < 0.15 or t["fault"].get("name") == "mid-manifest":  # a crash during recovery too
         t["then"] = ({"kind": "point", "name": "repair-manifest", "nth": 1, "action": "kill"}
                      if t["fault"].get("name") == "mid-manifest" and rng.random() < 0.7 else draw_fault(rng, t))
@@ -100,7 +108,8 @@ def configs(modes: list[str]) -> list[dict]:
     out = []
     for mode in modes:
         sinks = {"extract-hf": ["local", "s3", "s3", "s3-multipart"], "extract-vllm": ["local", "s3"],
-                 "regenerate": ["local"], "one-pass": ["local", "s3"]}[mode]
+                 "regenerate": ["local"], "one-pass": ["local", "s3"], "two-writers": ["s3", "s3", "s3-multipart"],
+                 "two-writers-vllm": ["s3"]}[mode]
         for sink in sinks:
             for dp in ([1, 1, 2] if sink != "s3-multipart" else [1]):
                 follows = [(False, False)] * 4 + [(True, False), (True, True)] if mode == "extract-hf" else [(False, False)]
@@ -112,12 +121,12 @@ def configs(modes: list[str]) -> list[dict]:
 
 
 def coverage(modes: list[str]) -> list[tuple]:
-    reach = {p for c in configs(modes) for p in points_for(c)}
+    reach = {p for c in configs(modes) if c["mode"] not in TWO for p in points_for(c)}
     items = [("point", p) for p in faults.POINTS if p in reach]
     items += [("point", "repair-manifest")] if "mid-manifest" in reach else []
     targets = ["driver", "group"] + (["engine"] if set(modes) - {"extract-hf"} else [])
     targets += ["worker"] if any(c["dp"] == 2 for c in configs(modes)) else []
-    return items + [("signal", tg, sig) for tg in targets for sig in SIGNALS]
+    return items + [("signal", tg, sig) for tg in targets for sig in SIGNALS] + [("two", m) for m in TWO if m in modes]
 
 
 def _cheapest(ok: list[dict]) -> list[dict]:
@@ -126,14 +135,19 @@ def _cheapest(ok: list[dict]) -> list[dict]:
 
 
 def forced(rng: random.Random, index: int, seed: int, modes: list[str], item: tuple) -> dict:
+    if item[0] == "two":
+        t = dict(rng.choice(_cheapest([c for c in configs(modes) if c["mode"] == item[1]])), index=index, seed=seed)
+        return dict(t, fault=draw_fault(rng, t))
     if item[0] == "signal":
-        ok = [c for c in configs(modes) if item[1] != "engine" or c["mode"] != "extract-hf"]
+        ok = [c for c in configs(modes) if c["mode"] not in TWO]
+        ok = [c for c in ok if item[1] != "engine" or c["mode"] != "extract-hf"]
         ok = [c for c in ok if item[1] != "worker" or c["dp"] == 2]
         t = dict(rng.choice(_cheapest(ok)), index=index, seed=seed)
         t["fault"] = {"kind": "signal", "target": item[1], "sig": item[2], "at": rng.uniform(0.1, 0.7)}
         return t
     name = "mid-manifest" if item[1] == "repair-manifest" else item[1]
-    t = dict(rng.choice(_cheapest([c for c in configs(modes) if name in points_for(c)])), index=index, seed=seed)
+    t = dict(rng.choice(_cheapest([c for c in configs(modes) if c["mode"] not in TWO and name in points_for(c)])),
+             index=index, seed=seed)
     many = name in ("mid-upload", "after-batch", "after-step", "engine-step", "mid-shard-write")
     t["fault"] = {"kind": "point", "name": name, "nth": rng.randint(1, 3) if many else 1, "action": rng.choice(ACTIONS)}
     if item[1] == "repair-manifest":
@@ -143,6 +157,8 @@ def forced(rng: random.Random, index: int, seed: int, modes: list[str], item: tu
 
 
 def points_for(t: dict) -> list[str]:
+    if t["mode"] in TWO:  # where the first attempt pauses: each step of its uploader
+        return S3 + (MULTIPART if t["sink"] == "s3-multipart" else [])
     pts = list(WRITER) if t["mode"] != "regenerate" else []
     pts += {"extract-hf": ["after-batch"], "extract-vllm": ["after-step", "engine-step", "engine-sample"],
             "regenerate": ["after-step"] + REGEN, "one-pass": REGEN}[t["mode"]]
@@ -157,6 +173,8 @@ def points_for(t: dict) -> list[str]:
 
 
 def draw_fault(rng: random.Random, t: dict) -> dict:
+    if t["mode"] in TWO:  # a pause (a cut-off or hung host), woken once the second attempt has finished
+        return {"kind": "point", "name": rng.choice(points_for(t)), "nth": rng.randint(1, 4), "action": "stall"}
     if rng.random() < 0.3:
         targets = ["driver", "group"] + (["engine"] if "vllm" in t["mode"] or t["mode"] != "extract-hf" else [])
         targets += ["worker"] if t["dp"] == 2 else []
@@ -238,13 +256,13 @@ class Campaign:
                          "--commit-every", "4", "--max-num-seqs", "4"] + (["--dp", "2"] if t["dp"] == 2 else [])
         data = self.data["prompts" if t["mode"] == "one-pass" else kind][0]
         cmd = vx + ["extract", str(data), "-o", str(out), "--json", "--progress-every", "1000"]
-        if t["mode"] == "extract-hf":
+        if t["mode"] in HF_MODES:
             cmd += ["--backend", "hf", "--batch-size", "4"]
         else:
             cmd += ["--backend", "vllm", "--max-num-seqs", "4", "--max-num-batched-tokens", "256"]
         if t["mode"] == "one-pass":
             cmd += ["--regenerate", "--max-tokens", "8"]
-        cmd += ["--shard-size", "5.5" if kind == "multipart" else "0.8"]  # ~4 and ~10 shards
+        cmd += ["--shard-size", t.get("shard_mb") or ("5.5" if kind == "multipart" else "0.8")]  # ~4 and ~10 shards
         if str(out).startswith("s3://"):
             cmd += ["--endpoint-url", self.url]
         if t["dp"] == 2:
@@ -256,7 +274,7 @@ class Campaign:
     def estimate(self, t: dict) -> float:
         """Seconds a clean run of this mode takes here (what a signal's random moment is drawn over)."""
         kind = "multipart" if t["sink"] == "s3-multipart" else "small"
-        return self.clean_s.get((t["mode"], kind), 90.0 if t["mode"] != "extract-hf" else 15.0) * (1.5 if t["dp"] == 2 else 1)
+        return self.clean_s.get((t["mode"], kind), 90.0 if t["mode"] not in HF_MODES else 15.0) * (1.5 if t["dp"] == 2 else 1)
 
     def run_trial(self, t: dict) -> dict:
         t0 = time.monotonic()
@@ -275,6 +293,8 @@ class Campaign:
             out = f"s3://vx-out/{prefix}" if t["sink"].startswith("s3") else tdir / "out"
         trace = tdir / "trace"
         result = {"trial": t, "runs": [], "violations": [], "invariants": 0}
+        if t["mode"] in TWO:
+            return self.two_writers(t, tdir, out, prefix, trace, result)
         reader = None
         steps = [t["fault"]] + ([t["then"]] if "then" in t else []) + [None]
         for i, fault in enumerate(steps):
@@ -330,7 +350,7 @@ class Campaign:
                 result["invariants"] += 1
         else:
             kind = "multipart" if t["sink"] == "s3-multipart" else "small"
-            bad += checks.states_match(files, headers, self.reference[kind], 0.999 if t["mode"] == "extract-hf" else 0.99)
+            bad += checks.states_match(files, headers, self.reference[kind], 0.999 if t["mode"] in HF_MODES else 0.99)
         result["invariants"] += 1
         if remote:
             staging = list((self.cache / "staging").glob(f"*/vx-out/{prefix}"))
@@ -343,6 +363,69 @@ class Campaign:
             bad += checks.no_temp_files(Path(out))
             result["invariants"] += 1
         return bad
+
+    def two_writers(self, t: dict, tdir: Path, out: str, prefix: str, trace: Path, result: dict) -> dict:
+        """Two attempts of one S3 output from two staging directories (two hosts' vx caches): the
+        first paused at its failpoint (a cut-off or hung host), the second run to its end beside
+        it, then the first woken. The second exits 0; the first, where it was paused when the
+        second started, stops with exit code 4 and one line naming the owner (a --dp 2 launcher:
+        the line for its failed partition); then the output's invariants."""
+        from vx.data.tiny import TINY_NAME
+
+        fault, wake, host = t["fault"], tdir / "wake", tdir / "host-a"
+        host.mkdir()
+        (host / TINY_NAME).symlink_to((self.cache / TINY_NAME).resolve(), target_is_directory=True)
+        run_id = f"{tdir.name}-first-{time.monotonic_ns()}"
+        extra = {"VX_CACHE_DIR": str(host), "VX_FAULT_TRACE": str(trace), "VX_CAMPAIGN_RUN": run_id,
+                 "VX_FAULT": f"{fault['name']}:{fault['nth']}:stall", "VX_FAULT_STALL_UNTIL": str(wake),
+                 "VX_FAULT_STALL_S": str(RUN_S)}
+        extra.update({"VX_FAULT_PARTITION": "0"} if t["dp"] == 2 else {})
+        extra.update({"VX_S3_PART_MB": "5"} if t["sink"] == "s3-multipart" else {})
+        log = tdir / "first"
+        first = subprocess.Popen(self.command(t, out), env=self.env(extra), cwd=ROOT, start_new_session=True,
+                                 stdout=open(log.with_suffix(".out"), "w"), stderr=open(log.with_suffix(".err"), "w"))
+        deadline = time.monotonic() + RUN_S
+        while first.poll() is None and time.monotonic() < deadline and \
+                not (trace.exists() and "fired " in trace.read_text()):
+            time.sleep(0.1)
+        paused = first.poll() is None
+        shard = "4.5" if t["sink"] == "s3-multipart" else "0.6"  # other samples under the same shard numbers
+        second = self.run_once(dict(t, shard_mb=shard), out, None, tdir / "second", trace)
+        result["runs"].append(second)
+        result["violations"] += second.pop("violations")
+        wake.touch()
+        try:
+            rc = first.wait(timeout=RUN_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(first.pid, signal.SIGKILL)
+            rc = first.wait()
+            result["violations"].append(f"the woken first attempt did not end within {RUN_S:.0f} s")
+        left = procfs.tagged(f"VX_CAMPAIGN_RUN={run_id}".encode())
+        stderr = log.with_suffix(".err").read_text(errors="replace")
+        last = ([x for x in stderr.splitlines() if x.strip()] or [""])[-1]
+        result["runs"].insert(0, {"fault": fault, "rc": rc, "paused": paused, "stderr": stderr[-300:],
+                                  "exit_after_signal_s": None})
+        result["invariants"] += 8  # the second's four, the first's: its exit, its line, no traceback, no orphan
+        bad = []
+        if second["rc"] != 0:
+            bad.append(f"the second attempt failed (rc {second['rc']}): {second['stderr']}")
+        if paused and t["dp"] == 1 and (rc != 4 or "taken over by another writer" not in last):
+            bad.append(f"the first attempt, woken after the second, ended {rc}: {stderr[-600:]}")
+        elif paused and t["dp"] == 2 and (rc == 0 or not last.startswith("vx")):
+            bad.append(f"the first --dp 2 launcher, its partition woken after the second, ended {rc}: {stderr[-600:]}")
+        elif not paused and rc != 0:
+            bad.append(f"the first attempt, never paused, ended {rc}: {stderr[-600:]}")
+        if "Traceback" in stderr:
+            bad.append(f"the first attempt printed a traceback: {stderr[-1500:]}")
+        if left:
+            bad.append(f"processes of the first attempt outlived it: {left}")
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        result["violations"] += bad
+        if second["rc"] == 0:
+            result["violations"] += self.check_output(t, out, prefix, result)
+        return self.finish(result, trace, None)
 
     def finish(self, result: dict, trace: Path, reader) -> dict:
         if reader is not None and reader.poll() is None:

@@ -89,11 +89,11 @@ def test_a_paused_writer_woken_after_its_successor_finished_corrupts_nothing(s3_
     assert second.returncode == 0, second.stderr[-2000:]
     assert first.returncode == 4, (first.returncode, err[-2000:])
     part = "part-00000-of-00002/" if partition else ""
-    owner = client.head_object(Bucket="vx-out", Key=f"{prefix}/{part}manifest.jsonl")["Metadata"]
+    owner = json.loads(client.get_object(Bucket="vx-out", Key=f"{prefix}/{part}.vx-owner.json")["Body"].read())
     last = err.strip().splitlines()[-1]
     assert last.startswith("vx: ") and "Traceback" not in err, err[-2000:]
     assert f"{target}/{part}".rstrip("/") in last and "taken over by another writer" in last, last
-    assert f"pid {owner['vx-pid']} on {owner['vx-host']}" in last and f"attempt {owner['vx-attempt']}" in last, last
+    assert f"pid {owner['pid']} on {owner['host']}" in last and f"attempt {owner['attempt']}" in last, last
     if partition:  # the other partition too: then the whole output holds every sample once
         rest = extract(data, target, tmp_path / "host-b", "--shard-size", "0.2", "--endpoint-url", url,
                        "--num-partitions", "2", "--partition-index", "1")

@@ -20,7 +20,6 @@ from vx.jobs.summary import Summary
 from vx.jobs.monitoring import watch_writer
 from vx.monitor.flops import mfu_terms
 from vx.monitor.progress import RunProgress
-from vx.store.fence import OwnershipLost
 from vx.store.format import ERRORS, RETAIN
 from vx.store.output import ErrorLog, Output
 from vx.store.writer import ShardWriter
@@ -195,20 +194,13 @@ def _extract_locked(cfg, job, out: Output, lines, elsewhere, progress, reporter,
             if cfg.strict and wstats.get("rejected"):
                 raise VxError(f"{len(wstats['rejected'])} samples rejected (--strict): {wstats['rejected'][:3]}")
     except BaseException as e:
-        lost = None
-        if uploader is not None:  # committed shards still go up; the original error wins
-            try:
-                uploader.finish()
-            except OwnershipLost as x:  # unless it is the loss of the prefix (a writer waiting for room says less)
-                lost = x
-            except Exception:
-                pass
+        lost = uploader.abandon() if uploader is not None else None  # committed shards still go up
         if retainer is not None:
             retainer.stop(raise_error=False)
         bar.close("failed")
-        if lost is not None and lost is not e and isinstance(e, Exception):
+        if lost is not None and isinstance(e, Exception):  # the loss of the prefix says more than what it caused
             raise lost from None
-        raise
+        raise  # else the original error wins
     finally:
         errors.close()
         if metrics is not None:

@@ -189,7 +189,8 @@ HISTORY = "progress.jsonl"  # and every snapshot it took, appended: vx inspect -
 RETAIN = "retain.json"       # at the root while --retain-gb holds: {"retain_gb": G, "writers": P}
 # the files of a run at the top of an output (or partition) directory, beside its shards: what
 # --overwrite deletes, here and under the S3 prefix
-RUN_FILES = (MANIFEST, ERRORS, RUN_META, END, DROPPED, PROGRESS, HISTORY)
+OWNER = ".vx-owner.json"    # with S3: the writer that holds the prefix (vx/store/fence.py)
+RUN_FILES = (MANIFEST, ERRORS, RUN_META, END, DROPPED, PROGRESS, HISTORY, OWNER)
 # `vx extract --regenerate`'s conversations, at the root (vx/pipeline/one_pass.py); under an S3
 # prefix also in segments while runs go on (vx/pipeline/regenerated_text.py)
 REGENERATED = "regenerated.jsonl"

@@ -314,7 +314,7 @@ def prepare_output(out: Path, meta: dict, overwrite: bool) -> ResumeState:
     meta_path = out / RUN_META
     if meta_path.exists():
         check_identity(out, meta)
-    elif any(out.glob("shard-*.safetensors*")) or (out / MANIFEST).exists():
+    elif any(out.glob("shard-*.safetensors*")) or read_manifest(out):
         raise UsageError(f"{out} holds shards but no {RUN_META}; refusing to mix runs (use --overwrite)")
     for tmp in out.glob(".shard-*.tmp"):
         tmp.unlink()

@@ -89,7 +89,7 @@ class Uploader:
         # this writer's hold on the prefix: every write below goes through it (vx/store/fence.py)
         self.fence = fence if fence is not None else Fence.take(self.client, target)
         self.uploaded: list[dict] = list(self.fence.records)
-        self._announced = len(self.uploaded)  # shards before_publish was called for
+        self._listed = self._announced = len(self.uploaded)  # shards in the S3 manifest, and before_publish was called for
         self._done = {r["shard"] for r in self.uploaded}
         self._sent: set[str] = set()  # shard names this writer began to upload (withdrawn if it loses)
         if not keep_local:  # a crash between the S3 manifest flush and the local delete left these
@@ -218,7 +218,8 @@ class Uploader:
             self.before_publish()
             self._announced = len(self.uploaded)
         faults.point("before-s3-manifest")
-        self.fence.publish(self.uploaded)  # a compare-and-swap on this writer's last manifest
+        self.fence.publish(self.uploaded[self._listed:])  # appended: a compare-and-swap on this writer's last put
+        self._listed = len(self.uploaded)
         faults.point("after-s3-manifest")
         for name in (ERRORS, RUN_META):  # each once it changed (vx.json: once a run)
             path = self.out / name
@@ -239,6 +240,17 @@ class Uploader:
         """For the run's snapshot (vx/monitor/meter.py): uploaded, waiting, on local disk, retried."""
         return {"bytes_uploaded": self.bytes, "upload_backlog_bytes": max(0, self.committed_bytes - self.bytes),
                 "local_bytes": local_shard_bytes(self.out), "upload_retries": self.retries}
+
+    def abandon(self) -> OwnershipLost | None:
+        """After the run failed: what is committed still goes up; returns the loss of the prefix
+        where that is what stopped the upload (a writer waiting for room says less)."""
+        try:
+            self.finish()
+        except OwnershipLost as e:
+            return e
+        except Exception:
+            pass
+        return None
 
     def finish(self) -> dict:
         """Upload what is left, publish the final manifest; raise if anything failed."""
