@@ -124,8 +124,9 @@ def coverage(modes: list[str]) -> list[tuple]:
     reach = {p for c in configs(modes) if c["mode"] not in TWO for p in points_for(c)}
     items = [("point", p) for p in faults.POINTS if p in reach]
     items += [("point", "repair-manifest")] if "mid-manifest" in reach else []
-    targets = ["driver", "group"] + (["engine"] if set(modes) - {"extract-hf"} else [])
-    targets += ["worker"] if any(c["dp"] == 2 for c in configs(modes)) else []
+    crash = [c for c in configs(modes) if c["mode"] not in TWO]  # the modes signals are sent in
+    targets = ["driver", "group"] + (["engine"] if any(c["mode"] != "extract-hf" for c in crash) else []) if crash else []
+    targets += ["worker"] if any(c["dp"] == 2 for c in crash) else []
     return items + [("signal", tg, sig) for tg in targets for sig in SIGNALS] + [("two", m) for m in TWO if m in modes]
 
 
@@ -214,7 +215,7 @@ class Campaign:
         # (a guess there drew most of the one pass's signals after its end)
         clean = [("extract-hf", "small")] + [(m, k) for m, k in (("extract-hf", "multipart"), ("extract-vllm", "small"),
                                                                  ("regenerate", "small"), ("one-pass", "small"))
-                                             if m in modes]
+                                             if m in modes or (k == "multipart" and "two-writers" in modes)]
         for mode, kind in clean:
             if (mode, kind) in self.clean_s:
                 continue
