@@ -98,7 +98,7 @@ def _patch_llm_on_import() -> None:
 
 if __name__ == "__main__":
     # python tests/fake_cuda.py cli ARGS...     : the vx command, up to its engine's start
-    # python tests/fake_cuda.py worker CONFIG  : a launcher's partition worker (python -m vx.jobs.data_parallel)
+    # python tests/fake_cuda.py worker CONFIG  : a launcher's partition worker (python -m vx.launch.worker extract)
     # python tests/fake_cuda.py slots CONFIG   : the launcher's engine slots for an ExtractConfig
     import json
     import sys
@@ -112,9 +112,9 @@ if __name__ == "__main__":
 
             main(args)
         elif mode == "worker":
-            from vx.jobs.data_parallel import worker_main
+            from vx.launch.worker import main as worker_main
 
-            worker_main(args)
+            worker_main(["extract", *args])
         elif mode == "slots":
             from vx.jobs.config import ExtractConfig
             from vx.errors import UsageError

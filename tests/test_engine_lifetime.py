@@ -389,7 +389,7 @@ def test_processes_spawned_from_a_vx_command_exit_without_the_final_collection_a
     there (vx/engine/fast_exit.py), and only there. As the `vx` script (a path) and as `python -m`
     (a module) run it."""
     (tmp_path / "as_script.py").write_text(SPAWNS.format(entry="from vx.__main__ import run  # the vx script"))
-    (tmp_path / "as_module.py").write_text(SPAWNS.format(entry="import vx.pipeline.one_pass  # -m vx.pipeline.one_pass"))
+    (tmp_path / "as_module.py").write_text(SPAWNS.format(entry="import vx.jobs.regeneration  # -m vx.jobs.regeneration"))
     for run in ([sys.executable, str(tmp_path / "as_script.py")], [sys.executable, "-m", "as_module"]):
         r = subprocess.run(run, cwd=tmp_path, capture_output=True, text=True, timeout=300,
                            env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)])))

@@ -69,11 +69,13 @@ def test_regenerate_is_fork_safe(tmp_path, tiny_model):
 
 
 def test_a_launchers_partition_worker_is_fork_safe(tmp_path, tiny_model):
+    from types import SimpleNamespace
+
     from vx.jobs.config import ExtractConfig
-    from vx.jobs.data_parallel import partition_config
+    from vx.jobs.extract import worker_config
 
     cfg = ExtractConfig(data=CHAT, output=tmp_path / "out", backend="vllm", data_parallel_size=2)
-    config = partition_config(cfg, 1, None)
+    config = worker_config(SimpleNamespace(cfg=cfg), 1, None, None)
     probe = probe_of(fake_gpu_run("worker", json.dumps(config), tmp_path=tmp_path))
     assert_fork_safe(probe)
 

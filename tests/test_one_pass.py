@@ -39,7 +39,7 @@ def committed_lines(path: Path) -> int:
 def regeneration_engine_core(driver: int) -> int | None:
     """The engine core of the one-pass driver's regeneration (its child's), if it runs."""
     for child in procfs.children(driver):
-        if b"vx.pipeline.one_pass" in procfs.cmdline(child):
+        if b"vx.jobs.regeneration" in procfs.cmdline(child):
             for pid in procfs.children(child):
                 if procfs.cmdline(pid).startswith(b"VLLM::EngineCore"):
                     return pid
@@ -123,7 +123,7 @@ def test_sigterm_as_the_engine_starts_then_a_kill_9_mid_run_then_a_rerun_leave_e
 
 def test_the_regeneration_engine_killed_once_every_conversation_is_committed_costs_the_run_nothing(tmp_path):
     """On CPU the regeneration's engine idles until the capture is done, then stops beside vx's
-    engine (vx/pipeline/one_pass.py). Killed in that wait, every conversation committed, its death
+    engine (vx/jobs/one_pass.py). Killed in that wait, every conversation committed, its death
     loses nothing: the run ends 0 with every conversation's text and states. A rerun of the
     finished output has nothing to do and starts no engine at all."""
     records = [line for line in (ROOT / "examples/chat.jsonl").read_text().splitlines()
@@ -333,7 +333,7 @@ def test_beside_a_starting_capture_engine_the_regeneration_keeps_its_engine_unti
     import os
     import threading
 
-    from vx.pipeline.regeneration import before_stop
+    from vx.jobs.regeneration import before_stop
 
     def waits_until(hold, keep, lines: list[str], close: bool) -> list[str]:
         r, w = os.pipe()

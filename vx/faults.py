@@ -60,7 +60,7 @@ POINTS = {
     "before-chunk-fsync": "regenerated conversations written, not fsynced",
     "before-committed-mark": "regenerated conversations fsynced, their committed size not recorded",
     "after-merge": "partitions' regenerated conversations merged",
-    # the one-pass mode's text in S3 (vx/pipeline/regenerated_text.py)
+    # the one-pass mode's text in S3 (vx/jobs/regenerated_text.py)
     "before-text-segment": "regenerated conversations about to go to S3 as a segment",
     "after-text-compact": "all regenerated text in S3 as one segment, the older ones not deleted",
 }

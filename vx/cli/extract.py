@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from typing import Annotated, Optional
 
 import typer
 
 from vx.cli.app import app
-from vx.cli.options import Layers, MetricsPort, ModelPath, OutputDir, Progress, ProgressEvery, parse_gpus
-from vx.cli.options import RegenerateGeneration as RG
+from vx.data.generation import Generation
+from vx.cli.options import Layers, MetricsPort, ModelPath, OutputDir, Progress, ProgressEvery, parse_gpus, with_generation
 
 
 @app.command(no_args_is_help=True,
              short_help="Hidden states of chosen layers for every token of every sample (--regenerate: the "
                         "target writes the assistant turns in the same run).")
+@with_generation("--regenerate: ")
 def extract(
     data: Annotated[str, typer.Argument(help="Dataset: a .jsonl(.gz/.zst), .parquet or .arrow file, a datasets save_to_disk directory, a directory or glob of such files, or s3://bucket/key-or-prefix. Records: messages / conversations / text / input_ids.", show_default=False)],
     output: OutputDir = "out",
@@ -57,13 +59,7 @@ def extract(
     ray_address: Annotated[Optional[str], typer.Option(help="Ray cluster address. Default: auto (RAY_ADDRESS, or the cluster started on this node).")] = None,
     max_retries: Annotated[int, typer.Option(help="ray: times a failed partition is rescheduled (it resumes from its manifest).")] = 3,
     regenerate: Annotated[bool, typer.Option(help="One pass: the target first writes every assistant turn (as vx regenerate, into OUT/regenerated.jsonl) and each regenerated conversation's states are captured as soon as it is committed, the two engines running side by side. With --data-parallel-size/--gpus each engine slot does this for its share of the prompts. With -o s3://... the text goes to S3 before its states, and a rerun anywhere continues from S3. The generation options below apply.")] = False,
-    turns: RG.Turns = "all",
-    temperature: RG.Temperature = 0.0,
-    top_p: RG.TopP = 1.0,
-    top_k: RG.TopK = -1,
-    max_tokens: RG.MaxTokens = 1024,
-    seed: RG.Seed = None,
-    drop_truncated: RG.DropTruncated = False,
+    generation: Generation = None,  # --turns ... --drop-truncated (vx/cli/options.py with_generation)
     verify: Annotated[int, typer.Option(help="After the run, recompute this many random committed samples with the HF reference on this machine's device (once the engine has released it) and compare every layer; exit 1 below the bound. 0: off.")] = 0,
     progress: Progress = None,
     progress_every: ProgressEvery = None,
@@ -92,8 +88,11 @@ def extract(
       vx extract prompts.jsonl -o out/ --regenerate --temperature 0.7 --max-tokens 2048
     """
     from vx.data.layers import parse_layer_ids
+    from vx.jobs import extract as extract_job
+    from vx.jobs import one_pass
     from vx.jobs.config import ExtractConfig
-    from vx.jobs.extract import require_samples, run_extract
+    from vx.jobs.extract import require_samples
+    from vx.launch.launcher import launch
 
     cfg = ExtractConfig(
         data=data, output=output, model=model, backend=backend, layers=parse_layer_ids(layers),
@@ -106,23 +105,10 @@ def extract(
         endpoint_url=endpoint_url, max_local_gb=max_local_gb, keep_local=keep_local, retain_gb=retain_gb, compress=compress,
         data_parallel_size=data_parallel_size, gpus=parse_gpus(gpus), num_partitions=num_partitions,
         partition_index=partition_index, ray=ray, ray_address=ray_address, max_retries=max_retries,
-        regenerate=regenerate, turns=turns, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-        seed=seed, drop_truncated=drop_truncated, metrics_port=metrics_port, progress_every=progress_every,
+        regenerate=regenerate, metrics_port=metrics_port, progress_every=progress_every, **asdict(generation),
     )
-    if cfg.regenerate:
-        from vx.pipeline.one_pass_parallel import run as run_one_pass
-
-        s = run_one_pass(cfg, progress=progress)
-    elif cfg.ray:
-        from vx.jobs.ray_cluster import run_ray
-
-        s = run_ray(cfg, progress=progress)
-    elif cfg.data_parallel_size > 1:
-        from vx.jobs.data_parallel import run_data_parallel
-
-        s = run_data_parallel(cfg, progress=progress)
-    else:
-        s = run_extract(cfg, progress=progress)
+    # in this process, on this node's engine slots, or on Ray (vx/launch/launcher.py)
+    s = launch(one_pass if cfg.regenerate else extract_job, cfg, progress=progress)
     require_samples(cfg, s)
     report = None
     if cfg.verify:  # the engine has released the device: the HF reference runs there now

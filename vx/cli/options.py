@@ -1,5 +1,9 @@
 """Option types shared by commands."""
 
+import functools
+import inspect
+import types
+import typing
 from typing import Annotated, Optional
 
 import typer
@@ -32,19 +36,45 @@ def parse_gpus(text: str | None) -> list[int] | None:
         raise UsageError(f"--gpus must be comma-separated GPU ids, got {text!r}") from None
 
 
-class _Generation:
-    """How the target writes the assistant turns: `vx regenerate`'s options, and `vx extract`'s
-    with --regenerate (their help says so there)."""
-
-    def __init__(self, prefix: str = ""):
-        self.Turns = Annotated[str, typer.Option(help=prefix + "all: every assistant turn, in order, on the regenerated history; last: only the final one.")]
-        self.Temperature = Annotated[float, typer.Option(help=prefix + "Sampling temperature (0: greedy).")]
-        self.TopP = Annotated[float, typer.Option(help=prefix + "Nucleus sampling: keep the smallest set of tokens of this total probability.")]
-        self.TopK = Annotated[int, typer.Option(help=prefix + "Top-k sampling (0 or -1: off).")]
-        self.MaxTokens = Annotated[int, typer.Option(help=prefix + "Longest generated turn; a turn cut here is marked truncated.")]
-        self.Seed = Annotated[Optional[int], typer.Option(help=prefix + "Sampling seed (per turn: seed + a hash of id and turn, so reruns and partitions draw the same).")]
-        self.DropTruncated = Annotated[bool, typer.Option(help=prefix + "Leave out conversations with a turn cut by --max-tokens.")]
+GENERATION_HELP = {
+    "turns": "all: every assistant turn, in order, on the regenerated history; last: only the final one.",
+    "temperature": "Sampling temperature (0: greedy).",
+    "top_p": "Nucleus sampling: keep the smallest set of tokens of this total probability.",
+    "top_k": "Top-k sampling (0 or -1: off).",
+    "max_tokens": "Longest generated turn; a turn cut here is marked truncated.",
+    "seed": "Sampling seed (per turn: seed + a hash of id and turn, so reruns and partitions draw the same).",
+    "drop_truncated": "Leave out conversations with a turn cut by --max-tokens.",
+}
 
 
-Generation = _Generation()
-RegenerateGeneration = _Generation("--regenerate: ")
+def with_generation(prefix: str = ""):
+    """How the target writes the assistant turns (--turns ... --drop-truncated), defined once for
+    `vx regenerate` and `vx extract --regenerate`: the options take the place of the command's
+    `generation` parameter, which receives them as one vx.data.generation.Generation. prefix
+    begins each option's help."""
+    from dataclasses import fields
+
+    from vx.data.generation import Generation
+
+    hints = typing.get_type_hints(Generation)  # `int | None` as typer reads it: Optional[int]
+    kind = {f.name: Optional[hints[f.name].__args__[0]] if isinstance(hints[f.name], types.UnionType)
+            else hints[f.name] for f in fields(Generation)}
+    options = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+                                 annotation=Annotated[kind[f.name], typer.Option(help=prefix + GENERATION_HELP[f.name])])
+               for f in fields(Generation)]
+
+    def wrap(command):
+        sig = inspect.signature(command, eval_str=True)
+        params = []
+        for p in sig.parameters.values():
+            params += options if p.name == "generation" else [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)]
+
+        @functools.wraps(command, assigned=("__module__", "__name__", "__qualname__", "__doc__"))
+        def run(**kwargs):
+            generation = Generation(**{f.name: kwargs.pop(f.name) for f in fields(Generation)})
+            return command(**kwargs, generation=generation)
+
+        run.__signature__ = sig.replace(parameters=params)
+        run.__annotations__ = {p.name: p.annotation for p in params}
+        return run
+    return wrap

@@ -3,31 +3,27 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from typing import Annotated, Optional
 
 import typer
 
 from vx.cli.app import app
-from vx.cli.options import Generation as G
-from vx.cli.options import MetricsPort, ModelPath, Progress, ProgressEvery, parse_gpus
+from vx.cli.options import MetricsPort, ModelPath, Progress, ProgressEvery, parse_gpus, with_generation
+from vx.data.generation import Generation
 
 
 @app.command(no_args_is_help=True, short_help="Regenerate the assistant turns with the target model, resumably.")
+@with_generation()
 def regenerate(
     data: Annotated[str, typer.Argument(help="Conversations, in any input format `vx extract` reads.", show_default=False)],
     output: Annotated[str, typer.Option("--output", "-o", help="Output JSONL (appended; rerun to resume).")] = "regen.jsonl",
     model: ModelPath = None,
-    turns: G.Turns = "all",
-    temperature: G.Temperature = 0.0,
-    top_p: G.TopP = 1.0,
-    top_k: G.TopK = -1,
-    max_tokens: G.MaxTokens = 1024,
-    seed: G.Seed = None,
+    generation: Generation = None,  # --turns ... --drop-truncated (vx/cli/options.py with_generation)
     chat_template: Annotated[Optional[str], typer.Option(help="Jinja chat template file instead of the tokenizer's.")] = None,
     chat_template_kwargs: Annotated[Optional[str], typer.Option(help='JSON object for the template, e.g. \'{"enable_thinking": false}\'.')] = None,
     messages_field: Annotated[str, typer.Option(help="Record field holding the conversation.")] = "messages",
     id_field: Annotated[str, typer.Option(help="Record field holding the id (default: the row number).")] = "id",
-    drop_truncated: G.DropTruncated = False,
     max_num_seqs: Annotated[Optional[int], typer.Option(help="vllm: requests per engine step.")] = None,
     gpu_memory_utilization: Annotated[Optional[float], typer.Option(help="vllm: fraction of GPU memory (host memory on CPU).")] = None,
     max_model_len: Annotated[Optional[int], typer.Option(help="vllm: longest prompt + generation.")] = None,
@@ -61,25 +57,20 @@ def regenerate(
 
       vx regenerate chats.jsonl -o /shared/regen.jsonl --num-partitions 16 --partition-index $SLURM_ARRAY_TASK_ID
     """
+    from vx.jobs import regenerate as job
+    from vx.launch.launcher import launch
     from vx.regenerate.config import RegenConfig
-    from vx.regenerate.run import run_regenerate
 
-    cfg = RegenConfig(data=data, output=output, model=model, turns=turns, temperature=temperature, top_p=top_p,
-                      top_k=top_k, max_tokens=max_tokens, seed=seed, chat_template=chat_template,
+    cfg = RegenConfig(data=data, output=output, model=model, chat_template=chat_template,
                       chat_template_kwargs=chat_template_kwargs, messages_field=messages_field, id_field=id_field,
-                      drop_truncated=drop_truncated, max_num_seqs=max_num_seqs,
+                      **asdict(generation), max_num_seqs=max_num_seqs,
                       gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
                       commit_every=commit_every, endpoint_url=endpoint_url, verbose=verbose,
                       tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
                       gpus=parse_gpus(gpus), num_partitions=num_partitions, partition_index=partition_index,
                       ray=ray, ray_address=ray_address, max_retries=max_retries, metrics_port=metrics_port,
                       progress_every=progress_every)
-    if cfg.launcher:
-        from vx.regenerate.partitions import run_partitions
-
-        s = run_partitions(cfg, progress=progress)
-    else:
-        s = run_regenerate(cfg, progress=progress)
+    s = launch(job, cfg, progress=progress)  # in this process, on this node's engine slots, or on Ray
     if json_summary:
         print(json.dumps(s))
         return

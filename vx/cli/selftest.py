@@ -47,7 +47,7 @@ def selftest(
     from pathlib import Path
 
     from vx.errors import VxError
-    from vx.pipeline.selftest import SelftestConfig, run_selftest
+    from vx.selftest.run import SelftestConfig, run_selftest
 
     _use_gpus(parse_gpus(gpus), tensor_parallel_size)
     cfg = SelftestConfig(model=model, tensor_parallel_size=tensor_parallel_size, samples=samples, bench=bench, one_pass=one_pass,

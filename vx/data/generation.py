@@ -1,14 +1,28 @@
-"""The options that say how the target writes the assistant turns: one list and one check for
-`vx regenerate` and `vx extract --regenerate` (each config keeps them as flat fields)."""
+"""The options that say how the target writes the assistant turns: defined once for `vx
+regenerate` and `vx extract --regenerate` (both configs are a Generation), with one check."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, fields
 
 from vx.errors import UsageError
 
 TURNS = ("all", "last")
-# the fields both configs carry, with their defaults; the one-pass mode hands exactly these on
-FIELDS = {"turns": "all", "temperature": 0.0, "top_p": 1.0, "top_k": -1, "max_tokens": 1024, "seed": None,
-          "drop_truncated": False}
+
+
+@dataclass(kw_only=True)
+class Generation:
+    turns: str = "all"                       # all: every assistant turn, in order; last: only the final one
+    temperature: float = 0.0                 # 0: greedy
+    top_p: float = 1.0
+    top_k: int = -1                          # 0 or -1: off
+    max_tokens: int = 1024                   # longest generated turn
+    seed: int | None = None                  # per turn: seed + a hash of id and turn
+    drop_truncated: bool = False             # leave out conversations with a turn cut by max_tokens
+
+
+# the fields with their defaults; the one-pass mode hands exactly these on to its regeneration
+FIELDS = {f.name: f.default for f in fields(Generation)}
 
 
 def check_generation(cfg) -> None:

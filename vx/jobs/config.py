@@ -6,8 +6,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from vx.data.chat import check_template_options
+from vx.data.generation import Generation
 from vx.errors import UsageError
-from vx.launch.options import check_engine_options, check_scale_out
+from vx.launch.options import Engines, check_engine_options, check_scale_out
 from vx.monitor.metrics import check_options
 
 BACKENDS = ("auto", "hf", "vllm")
@@ -16,7 +17,7 @@ OVERLONG = ("truncate", "skip")
 
 
 @dataclass
-class ExtractConfig:
+class ExtractConfig(Engines, Generation):  # the engine, scale-out and generation options: vx/launch/options.py, vx/data/generation.py
     data: str                                # file, directory, glob or s3:// URL (vx/data/inputs.py)
     output: Path
     model: str | None = None                 # local HF dir; None = embedded tiny default
@@ -39,12 +40,8 @@ class ExtractConfig:
     strict: bool = False
     overwrite: bool = False
     device: str | None = None                # hf: cuda if available, else cpu
-    # vllm engine flags, named as vLLM names them
+    # vllm engine flags beside Engines', named as vLLM names them
     max_num_batched_tokens: int | None = None
-    max_num_seqs: int | None = None
-    max_model_len: int | None = None         # None: the longest sample the run submits, + 1 (from the plan)
-    gpu_memory_utilization: float | None = None  # None: 0.9 on GPU, 0.3 of host memory on CPU
-    tensor_parallel_size: int = 1
     enforce_eager: bool | None = None        # None: compiled on GPU, the measured faster mode on CPU
     warm_up: bool = True                     # dummy prefills before the timed loop (vx/engine/vllm_engine.py)
     # S3 sink
@@ -54,28 +51,9 @@ class ExtractConfig:
     keep_local: bool = False
     retain_gb: float | None = None           # follow readers: delete consumed shards, hold at most this many GB
     compress: str | None = None              # None, "blocks" (vx/store/blocks.py) or "zstd" (whole shards)
-    # scale-out
-    data_parallel_size: int = 1              # engines on this node, one per GPU group (CPU: per core group)
-    gpus: list[int] | None = None            # GPU ids to use, in groups of tensor_parallel_size
-    num_partitions: int = 1                  # the dataset split, token-balanced, into this many parts
-    partition_index: int | None = None       # run exactly this partition (SLURM arrays and the like)
-    ray: bool = False                        # schedule partitions as Ray tasks on an existing cluster
-    ray_address: str | None = None           # default: auto (RAY_ADDRESS or a local cluster)
-    max_retries: int = 3                     # ray: reschedules of a failed partition
     verify: int = 0                          # after the run: recompute this many random samples with HF
-    # watching a long run (vx/monitor/, vx/jobs/monitoring.py)
-    metrics_port: int | None = None          # serve Prometheus metrics here (0: any free port, logged)
-    progress_every: float | None = None      # not a terminal: a progress line every this many s (None: 30)
-    # one pass (vx/pipeline/one_pass.py): the target first writes the assistant turns, as vx regenerate
+    # one pass (vx/jobs/one_pass.py): the target first writes the assistant turns (Generation), as vx regenerate
     regenerate: bool = False
-    turns: str = "all"                       # all | last
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_tokens: int = 1024
-    seed: int | None = None
-    drop_truncated: bool = False
-    plan_file: str | None = None             # internal: the partition plan a launcher computed
     staged: bool = False                     # internal: output is the local staging dir of -o s3://
     extra: dict = field(default_factory=dict)
 

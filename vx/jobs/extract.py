@@ -1,4 +1,11 @@
-"""The extraction job: dataset -> tokens -> target-layer states -> committed shards."""
+"""The extraction job: dataset -> tokens -> target-layer states -> committed shards.
+
+As the launcher runs it (vx/launch/launcher.py, vx/launch/job.py): prepare() once (the output's
+identity, --overwrite, S3 preflight, the partition plan), run() = run_extract for one partition or
+the whole input in whatever process, finish() once (the partitions' summaries combined).
+
+Over 300 lines: the job's three functions beside the body of one run they share.
+"""
 
 from __future__ import annotations
 
@@ -16,13 +23,82 @@ from vx.data.model import load_tokenizer, model_info, resolve_model
 from vx.data.samples import BadLine, Sample, Tokenize, read_samples
 from vx.errors import UsageError, VxError, raise_if_stopped
 from vx.jobs.config import ExtractConfig
-from vx.jobs.summary import Summary
+from vx.jobs.summary import Summary, combine
 from vx.jobs.monitoring import watch_writer
 from vx.monitor.flops import mfu_terms
 from vx.monitor.progress import RunProgress
 from vx.store.format import ERRORS, RETAIN
 from vx.store.output import ErrorLog, Output
 from vx.store.writer import ShardWriter
+
+
+NAME, LABEL = "extract", "extract"
+MEMORY_SHARE = 0.3  # of a CPU node's host memory, for all its engines
+# under --retain-gb a writer waits for readers to consume its shards, and a reader following the
+# run waits for the failed partition's next ones: the others would wait for good, so they are stopped
+RETAIN_STOP = "under --retain-gb its writer would wait for readers that wait for the failed partition"
+
+
+def config(d: dict) -> ExtractConfig:
+    return ExtractConfig(**d)
+
+
+def prepare(cfg: ExtractConfig):
+    """Once, before any partition's worker: the job (model, layers), the dataset under --strict,
+    the root output (identity, --overwrite, S3 preflight) and the partition plan."""
+    from vx.engine.logs import LOG_DIR
+    from vx.launch.job import Prepared
+
+    job = prepare_job(cfg)
+    if cfg.strict:
+        check_dataset(cfg, job)
+    prepare_root(cfg, job)
+    t_plan = time.perf_counter()
+    plan_file, balance = make_plan(cfg, job)
+    balance["plan_s"] = round(time.perf_counter() - t_plan, 2)
+    todo = sum(balance["lines"]) - len(Output.of(cfg).committed_elsewhere())
+    return Prepared(cfg, plan_file, balance["lines"], todo, Path(cfg.output) / LOG_DIR, "Committed shards are kept",
+                    RETAIN_STOP if cfg.retain_gb else None, extra={"job": job, "balance": balance})
+
+
+def make_plan(cfg: ExtractConfig, job) -> tuple[str, dict]:
+    import numpy as np
+
+    from vx.launch.plan import load_or_make_plan
+
+    path = load_or_make_plan(cfg.output, job.source, job.model_dir, job.info.fingerprint, cfg.num_partitions,
+                             cfg.reading())
+    plan = np.load(path)
+    return str(path), {"lines": [int((plan == p).sum()) for p in range(cfg.num_partitions)]}
+
+
+def worker_config(prep, index: int, plan_file: str | None, cpu_share: float | None, portable: bool = False) -> dict:
+    """The JSON config of one partition's worker. cpu_share: on CPU, vLLM's memory fraction is of
+    host memory, which the engines of a node share. portable: for a worker on any machine (-o
+    s3://... staged by each worker itself)."""
+    child = replace(prep.cfg, data_parallel_size=1, gpus=None, ray=False, ray_address=None, overwrite=False,
+                    partition_index=index, plan_file=plan_file, verify=0,  # the launcher verifies the whole run
+                    metrics_port=None, progress_every=None)  # and serves the metrics, labelled by partition
+    if child.gpu_memory_utilization is None and cpu_share is not None:
+        child.gpu_memory_utilization = round(cpu_share, 3)
+    return child.portable_json() if portable else child.to_json()
+
+
+def watch(bar, prep, engines: int):
+    """The launcher's live figures: MFU over its engines, device memory, the workers' sums; --metrics-port."""
+    from vx.jobs.monitoring import watch_launcher
+
+    job, cfg = prep.extra["job"], prep.cfg
+    prep.extra["terms"] = mfu_terms(job.model_dir, job.layer_ids, engines, cfg.tensor_parallel_size)
+    return watch_launcher(bar, cfg, prep.extra["terms"])
+
+
+def finish(prep, results: dict[int, dict], t0: float) -> Summary:
+    """Once every partition is done: one Summary of them."""
+    s = combine(prep.cfg, prep.extra["job"].backend, results, time.perf_counter() - t0,
+                time.perf_counter() - prep.t_start, prep.extra["balance"])
+    s.set_mfu(prep.extra["terms"], prep.bar.meter)
+    return s
 
 
 def vllm_available() -> bool:
@@ -91,7 +167,7 @@ def prepare_root(cfg: ExtractConfig, job: Job) -> None:
 def run_extract(cfg: ExtractConfig, progress: bool | None = None, reporter=None, source=None,
                 started=None, before_publish=None, captured=None) -> Summary:
     """One process, one engine: the whole dataset, or one partition of it (cfg.partition_index).
-    source: another input than cfg.data as read (vx/pipeline/one_pass.py follows a regeneration);
+    source: another input than cfg.data as read (vx/jobs/one_pass.py follows a regeneration);
     started(): called before the first sample, once the vLLM engine has started (hf: before its load);
     captured(): once every sample is committed, before the vLLM engine stops;
     before_publish(): with -o s3://, called before new shards are published (vx/store/uploader.py)."""
@@ -114,6 +190,9 @@ def run_extract(cfg: ExtractConfig, progress: bool | None = None, reporter=None,
         out.take()  # with S3: this process is now the prefix's one writer (vx/store/fence.py)
         return _extract_locked(cfg, job, out, lines, elsewhere, progress, reporter, t0, root, started,
                                before_publish, captured, lengths)
+
+
+run = run_extract  # the job's body: one partition, or the whole input, in this process
 
 
 def _retainer(cfg: ExtractConfig, out: Output, root: Output, budget: int):

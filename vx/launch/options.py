@@ -1,8 +1,32 @@
-"""The engine and scale-out options that `vx extract` and `vx regenerate` share, checked in one place."""
+"""The engine and scale-out options that `vx extract` and `vx regenerate` share, defined and
+checked in one place (both configs are an Engines)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from vx.errors import UsageError
+
+
+@dataclass(kw_only=True)
+class Engines:
+    # vllm engine flags, named as vLLM names them
+    max_num_seqs: int | None = None
+    max_model_len: int | None = None         # None: the job's longest request (from the plan)
+    gpu_memory_utilization: float | None = None  # None: 0.9 on GPU, 0.3 of host memory on CPU
+    tensor_parallel_size: int = 1
+    # where the engines run (vx/launch/launcher.py)
+    data_parallel_size: int = 1              # engines on this node, one per GPU group (CPU: per core group)
+    gpus: list[int] | None = None            # GPU ids to use, in groups of tensor_parallel_size
+    num_partitions: int = 1                  # the dataset split, token-balanced, into this many parts
+    partition_index: int | None = None       # run exactly this partition (SLURM arrays and the like)
+    ray: bool = False                        # schedule partitions as Ray tasks on an existing cluster
+    ray_address: str | None = None           # default: auto (RAY_ADDRESS or a local cluster)
+    max_retries: int = 3                     # ray: reschedules of a failed partition
+    # watching a long run (vx/monitor/)
+    metrics_port: int | None = None          # serve Prometheus metrics here (0: any free port, logged)
+    progress_every: float | None = None      # not a terminal: a progress line every this many s (None: 30)
+    plan_file: str | None = None             # internal: the partition plan a launcher computed
 
 
 def check_engine_options(cfg) -> None:

@@ -1,6 +1,6 @@
 """Partition workers as Ray tasks on an existing cluster (`--ray`, extract and regenerate).
 
-A task runs the same partition worker as a local data-parallel run (`python -m MODULE CONFIG`)
+A task runs the same partition worker as a local data-parallel run (`python -m vx.launch.worker JOB CONFIG`)
 as a subprocess on its node, so vLLM runs in a plain process with the GPUs Ray gave the task
 (CUDA_VISIBLE_DEVICES), and raises if that worker fails; its progress reaches the driver through
 a small actor. Ray retries a failed task (`--max-retries`).
@@ -57,8 +57,8 @@ def plan_payload(plan_file) -> dict:
     return {"plan": Path(plan_file).read_bytes(), "tokens": tokens.read_bytes() if tokens.exists() else None}
 
 
-def partition_task(config: dict, plan: dict, env: dict, sink, module: str) -> dict:
-    """One attempt at one partition, on whatever node Ray chose (`python -m MODULE CONFIG`)."""
+def partition_task(config: dict, plan: dict, env: dict, sink, job: str) -> dict:
+    """One attempt at one partition, on whatever node Ray chose (`python -m vx.launch.worker JOB CONFIG`)."""
     import ray
 
     index, attempt = config["partition_index"], uuid.uuid4().hex[:8]
@@ -78,7 +78,7 @@ def partition_task(config: dict, plan: dict, env: dict, sink, module: str) -> di
         if plan["tokens"] is not None:
             tokens_file(plan_file).write_bytes(plan["tokens"])
         log = Path(tmp) / "worker.log"
-        proc, reader = spawn_worker(dict(config, plan_file=str(plan_file)), env, log, relay, module)
+        proc, reader = spawn_worker(dict(config, plan_file=str(plan_file)), env, log, relay, job)
         try:
             while proc.poll() is None:  # not proc.wait(): ray.cancel's KeyboardInterrupt cannot end a blocking wait
                 time.sleep(0.2)
@@ -133,7 +133,7 @@ def cpus_per_node() -> int:
 
 
 def run_tasks(configs: list[dict], plan: dict, num_gpus: int, max_retries: int, tally: Tally,
-              module: str, stop_others: str | None = None) -> tuple[dict[int, dict], dict[int, str], dict[int, list]]:
+              job: str, stop_others: str | None = None) -> tuple[dict[int, dict], dict[int, str], dict[int, list]]:
     """Each partition's worker config as a Ray task (retried up to max_retries times), progress
     folded into tally. Returns (summary of each finished partition, with its node and finish
     time; reason of each that failed; the Ray node id of each attempt of each, in order). A partition whose retries are spent
@@ -146,7 +146,7 @@ def run_tasks(configs: list[dict], plan: dict, num_gpus: int, max_retries: int, 
     task = ray.remote(partition_task).options(num_gpus=num_gpus, num_cpus=1, max_retries=max_retries,
                                               retry_exceptions=True)
     env = forwarded_env(os.environ)
-    refs = {task.remote(c, plan_ref, env, sink, module): c["partition_index"] for c in configs}
+    refs = {task.remote(c, plan_ref, env, sink, job): c["partition_index"] for c in configs}
     results, failed = {}, {}
     t_start = time.perf_counter()
     while refs:

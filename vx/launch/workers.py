@@ -1,7 +1,7 @@
 """Partition workers on this node: engine slots (GPU groups, or on CPU a share of the cores),
 worker processes started in their own session and reaped with their whole process group, their
-JSON progress events folded into one bar, and the body every worker process runs. Shared by
-`vx extract` (vx/jobs/data_parallel.py) and `vx regenerate` (vx/regenerate/partitions.py).
+JSON progress events folded into one bar, and the body every worker process runs
+(vx/launch/worker.py). The launcher (vx/launch/launcher.py) runs every job through them.
 """
 
 from __future__ import annotations
@@ -41,19 +41,19 @@ def worker_slots(cfg) -> list[dict[str, str]]:
     return slots
 
 
-def worker_command(config: dict, module: str) -> list[str]:
-    return [sys.executable, "-m", module, json.dumps(config)]
+def worker_command(config: dict, job: str) -> list[str]:
+    return [sys.executable, "-m", "vx.launch.worker", job, json.dumps(config)]
 
 
 def spawn_worker(config: dict, extra_env: dict, log: Path, on_event,
-                 module: str) -> tuple[subprocess.Popen, threading.Thread]:
-    """Start one partition's worker (`python -m MODULE CONFIG`: vx.jobs.data_parallel extracts, vx.regenerate.partitions
-    regenerates): its own session (its vLLM engine processes go with it), stderr appended to
-    `log`, each JSON event of its stdout handed to on_event(rec) by a reader thread."""
+                 job: str) -> tuple[subprocess.Popen, threading.Thread]:
+    """Start one partition's worker (`python -m vx.launch.worker JOB CONFIG`): its own session (its
+    vLLM engine processes go with it), stderr appended to `log`, each JSON event of its stdout
+    handed to on_event(rec) by a reader thread."""
     env = dict(os.environ, **extra_env, VX_PARTITION=str(config["partition_index"]),
                VX_PARENT_PID=str(os.getpid()))
     with open(log, "a") as err:
-        proc = subprocess.Popen(worker_command(config, module), env=env, stdout=subprocess.PIPE, stderr=err, text=True,
+        proc = subprocess.Popen(worker_command(config, job), env=env, stdout=subprocess.PIPE, stderr=err, text=True,
                                 start_new_session=True)
     reader = threading.Thread(target=read_events, args=(proc.stdout, on_event), daemon=True)
     reader.start()
@@ -239,7 +239,7 @@ def _die_with_parent() -> None:
 
 
 def run_partition_worker(argv: list[str], run) -> int:
-    """The body of a partition worker process (`python -m MODULE CONFIG_JSON`): dies with its
+    """The body of a partition worker process (`python -m vx.launch.worker JOB CONFIG_JSON`): dies with its
     launcher, keeps to its cores, and reports progress and the summary that run(config dict,
     reporter) returns as JSON lines on stdout; errors map to exit codes as in the CLI."""
     from vx.errors import quiet_startup, run_guarded

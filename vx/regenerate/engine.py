@@ -30,7 +30,7 @@ def split_reasoning(text: str, separate: bool) -> dict:
     return {"content": text}
 
 
-ENGINE_GOMP = "VX_ENGINE_GOMP_CPU_AFFINITY"  # GOMP_CPU_AFFINITY for the engine's start only (vx/pipeline/one_pass.py)
+ENGINE_GOMP = "VX_ENGINE_GOMP_CPU_AFFINITY"  # GOMP_CPU_AFFINITY for the engine's start only (vx/jobs/one_pass.py)
 
 
 def unpin(pid: int) -> None:

@@ -12,7 +12,7 @@ The output is the `messages` JSONL that `vx extract` reads, ids kept, plus per c
 append-only and committed in fsynced chunks; a rerun drops a torn last line, skips the ids
 already written and regenerates the rest. Bad records go to OUTPUT.errors.jsonl. Partitions
 (data parallel, Ray, --partition-index) write parts that are merged into OUTPUT at the end
-(vx/regenerate/output.py); their launchers are in vx/regenerate/partitions.py, the engine loop in
+(vx/regenerate/output.py); the launcher runs them (vx/launch/launcher.py, vx/jobs/regenerate.py), the engine loop in
 vx/regenerate/engine.py.
 """
 

@@ -191,8 +191,8 @@ RETAIN = "retain.json"       # at the root while --retain-gb holds: {"retain_gb"
 # --overwrite deletes, here and under the S3 prefix
 OWNER = ".vx-owner.json"    # with S3: the writer that holds the prefix (vx/store/fence.py)
 RUN_FILES = (MANIFEST, ERRORS, RUN_META, END, DROPPED, PROGRESS, HISTORY, OWNER)
-# `vx extract --regenerate`'s conversations, at the root (vx/pipeline/one_pass.py); under an S3
-# prefix also in segments while runs go on (vx/pipeline/regenerated_text.py)
+# `vx extract --regenerate`'s conversations, at the root (vx/jobs/one_pass.py); under an S3
+# prefix also in segments while runs go on (vx/jobs/regenerated_text.py)
 REGENERATED = "regenerated.jsonl"
 GENERATION = "regenerate.json"  # how they were generated: a rerun continues only with the same options
 TEXT_SEGMENTS = REGENERATED + ".d"

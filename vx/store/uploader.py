@@ -80,7 +80,7 @@ class Uploader:
         self.out, self.target, self.keep_local = Path(out), target, keep_local
         self.max_local_bytes = max_local_bytes
         # called before an S3 manifest with new shards is published: what must be in S3 before
-        # those states are (the one-pass mode's regenerated text, vx/pipeline/regenerated_text.py)
+        # those states are (the one-pass mode's regenerated text, vx/jobs/regenerated_text.py)
         self.before_publish = before_publish
         self.client = make_client(endpoint_url)
         self.transfer = TransferConfig(multipart_threshold=part_mb << 20, multipart_chunksize=part_mb << 20,

@@ -22,6 +22,14 @@ before the capture may read it, and the capture commits its states with the shar
 rerun after a crash anywhere: the regeneration skips the conversations it committed, the capture
 skips the ids it committed and captures the rest: every conversation once in both, its states
 those of its text.
+
+As the launcher runs it (vx/launch/launcher.py): prepare() once (extraction's, then the generation
+options checked and, with -o s3://, the text of what S3 holds states of restored), run() =
+run_one_pass for one partition or the whole input, finish() once (the summaries combined and the
+partitions' regenerated text merged into OUT/regenerated.jsonl: from the parts on this node, or
+from S3's text for Ray tasks on any node).
+
+Over 300 lines: the job's three functions beside the body of one run they share.
 """
 
 from __future__ import annotations
@@ -33,16 +41,16 @@ from dataclasses import replace
 from pathlib import Path
 
 from vx.device import cuda_available
-from vx.engine.fast_exit import in_spawned_child
 from vx.engine.plan_start import gpu_shares
-from vx.errors import UsageError, VxError, raise_if_stopped
-from vx.pipeline.regenerated_text import merge_when_complete, text_in_s3
-from vx.pipeline.regeneration import LATER, Regeneration, before_stop
+from vx.errors import UsageError, raise_if_stopped
+from vx.jobs.regenerated_text import merge_when_complete, text_in_s3
+from vx.jobs.regeneration import LATER, Regeneration, cpu_layout, pin_env, reversed_binding
 from vx.regenerate.output import looks_finished, merge_leftover_parts
 from vx.store.format import GENERATION, REGENERATED
 
-in_spawned_child()  # the regeneration's engine core and worker import this module first: their quick exit
-
+NAME, LABEL = "one-pass", "extract"
+MEMORY_SHARE = 0.15  # of a CPU node's host memory, for all its engines: two engines a slot
+SUM = ("conversations", "turns", "generated_tokens", "truncated", "dropped", "errors", "skipped")
 GPU_SHARE = 0.45  # each engine's default --gpu-memory-utilization beside an hf capture (or no plan)
 
 
@@ -57,7 +65,7 @@ def regen_config(cfg) -> dict:
             "gpu_memory_utilization": cfg.gpu_memory_utilization, "max_model_len": cfg.max_model_len,
             "endpoint_url": cfg.endpoint_url, "verbose": False, "tensor_parallel_size": cfg.tensor_parallel_size,
             # a partition worker's regeneration writes OUT/regenerated.jsonl.parts/part-i-of-P.jsonl, and the
-            # launcher merges the parts once every capture has read its own (vx/pipeline/one_pass_parallel.py)
+            # launcher merges the parts once every capture has read its own (finish, below)
             "partition_index": cfg.partition_index, "num_partitions": cfg.num_partitions,
             "plan_file": cfg.plan_file, "merge": False}
 
@@ -140,47 +148,9 @@ def _fetch(cfg, name: str, dest: Path) -> bool:
     return fetch_file(parse_s3_url(cfg.upload), name, dest, make_client(cfg.endpoint_url))
 
 
-def cpu_layout() -> tuple[tuple[list[int], list[int]] | None, bool]:
-    """(the regeneration's cores and the capture's, or None for every core to both; whether the
-    capture waits for the regeneration's end). GPU: shared device, following. CPU: every core to
-    both, capture after. VX_ONE_PASS_CORES=split (bench/one_pass.py): the cores halved and the
-    capture following, the layout measured against it."""
-    if cuda_available():
-        return None, False
-    if os.environ.get("VX_ONE_PASS_CORES") != "split":
-        return None, True
-    cores = sorted(os.sched_getaffinity(0))
-    half = max(1, len(cores) // 2)
-    return (cores[:half], cores[half:] or cores), False
-
-
-def reversed_binding(tensor_parallel_size: int) -> dict[str, str]:
-    """The regeneration engine's OpenMP binding when both engines start at once on every core: the
-    cores in reverse order. vLLM's CPU worker binds its main thread to the first core of its list
-    (GOMP_CPU_AFFINITY for the libgomp it preloads) and sorts any list it is given, so two engines
-    starting together import, load and profile on one core while the other idles (bench/one_pass.py
-    timelines: ~5 core-s in 5 s). vLLM's "nobind" leaves the binding to GOMP_CPU_AFFINITY, which
-    vx/regenerate/engine.py sets for its engine's start only (ENGINE_GOMP): the worker's main thread
-    on the last core, its generation on every core. Left alone: a binding the user chose, and
-    tensor parallelism (vx/device.py splits the cores)."""
-    from vx.regenerate.engine import ENGINE_GOMP
-
-    if tensor_parallel_size > 1 or os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto":
-        return {}
-    cores = sorted(os.sched_getaffinity(0), reverse=True)
-    return {"VLLM_CPU_OMP_THREADS_BIND": "nobind", ENGINE_GOMP: " ".join(map(str, cores)),
-            "OMP_NUM_THREADS": str(len(cores))}
-
-
-def pin_env(cores: list[int]) -> dict[str, str]:
-    c = ",".join(map(str, cores))
-    return {"VX_CPU_CORES": c, "OMP_NUM_THREADS": str(len(cores)), "VLLM_CPU_OMP_THREADS_BIND": c}
-
-
 def run_one_pass(cfg, progress: bool | None = None, reporter=None):
     """The one-pass job in this process: the whole input, a launcher's partition (its plan given:
-    --data-parallel-size, --ray; vx/pipeline/one_pass_parallel.py routes there) or one
-    --partition-index. Returns extraction's Summary, with the regeneration's summary in it."""
+    --data-parallel-size, --ray; vx/launch/launcher.py) or one --partition-index. Returns extraction's Summary, with the regeneration's summary in it."""
     from vx.data.follow import FollowingInput
     from vx.jobs.extract import run_extract
 
@@ -265,36 +235,72 @@ def run_one_pass(cfg, progress: bool | None = None, reporter=None):
     return s
 
 
-def main(argv: list[str]) -> int:
-    """The regeneration's process: `python -m vx.pipeline.one_pass REGEN_CONFIG_JSON`, run as a
-    partition worker runs (dies with its launcher, keeps to its cores, JSON events on stdout)."""
-    from vx.launch.workers import run_partition_worker
-    from vx.regenerate.config import RegenConfig
-    from vx.regenerate.run import run_regenerate
-
-    def run(d: dict, events):
-        hold, keep = d.pop("hold", False), d.pop("keep", False)
-        if LATER in d.values():  # import the engine's modules while the driver plans, then ask
-            from vx.regenerate.engine import preload
-
-            preload(d["tensor_parallel_size"], Path(d["output"]))
-            line = sys.stdin.readline()
-            if not line.strip():
-                raise VxError("the one-pass driver stopped before the regeneration could start")
-            d = dict(d, **json.loads(line))
-
-        def ready():  # the engine started: the driver may start its own; held, wait for its word
-            events.emit("ready")
-            if hold and sys.stdin.readline().strip() != "go":
-                raise VxError("the one-pass driver stopped before the generation could start")
-
-        return run_regenerate(RegenConfig(**d), reporter=events, ready=ready,
-                              before_stop=before_stop(hold, keep, sys.stdin))
-
-    return run_partition_worker(argv, run)
+# -- the job as the launcher runs it ---------------------------------------------------------------
+run = run_one_pass
 
 
-if __name__ == "__main__":
-    from vx.errors import leave
+def config(d: dict):
+    from vx.jobs.config import ExtractConfig
 
-    leave(main(sys.argv[1:]))
+    return ExtractConfig(**d)
+
+
+def prepare(cfg):
+    """Once, before the workers: extraction's (identity, plan), then the generation options checked
+    (OUT/regenerate.json), with -o s3:// the text of what S3 holds states of restored and its
+    segments compacted, and both engines' max_model_len. The workers get the config it returns."""
+    from vx.jobs import extract
+    from vx.regenerate.output import parts_dir
+
+    prep = extract.prepare(cfg)
+    cfg, out = prep.cfg, Path(prep.cfg.output)
+    check_rerun(cfg, out)
+    text = text_in_s3(cfg, out / REGENERATED)  # each worker puts its part's text, the launcher the merged file
+    if text is not None and not cfg.overwrite:
+        text.restore(out / REGENERATED, tuple(parts_dir(out / REGENERATED).glob("part-*.jsonl")))
+    if not cfg.max_model_len:  # once, for every worker's two engines
+        cfg = replace(cfg, max_model_len=max_model_len(cfg, prep.extra["job"], Path(prep.plan_file)))
+    prep.cfg, prep.kept = cfg, "Every committed conversation and shard is kept"
+    return prep
+
+
+def worker_config(prep, index: int, plan_file: str | None, cpu_share: float | None, portable: bool = False) -> dict:
+    from vx.jobs import extract
+
+    return extract.worker_config(prep, index, plan_file, cpu_share, portable)
+
+
+def watch(bar, prep, engines: int):
+    from vx.jobs import extract
+
+    return extract.watch(bar, prep, engines)
+
+
+def finish(prep, results: dict, t0: float):
+    """Once every partition is done: one Summary, and one OUT/regenerated.jsonl (on this node: from
+    the parts; on Ray: from S3's text, or the parts on the shared filesystem), its engine logs
+    moved to OUT/logs, and the regenerations' sums in the Summary."""
+    import shutil
+
+    from vx.engine.logs import LOG_DIR
+    from vx.jobs import extract
+    from vx.regenerate.output import merge_parts, parts_dir
+
+    s = extract.finish(prep, results, t0)
+    cfg = prep.cfg
+    out = Path(cfg.output)
+    text = text_in_s3(cfg, out / REGENERATED)
+    if text is not None and cfg.ray:
+        merged = {"conversations": text.merge_from_s3(), "complete": True}
+    else:
+        merged = merge_parts(out / REGENERATED, cfg.num_partitions)
+        if merged["complete"]:  # what is left there: the parts' commit marks, locks and engine logs
+            for log in parts_dir(out / REGENERATED).glob("*.vllm.log"):
+                log.replace(out / LOG_DIR / f"regenerate-{log.name.removesuffix('.jsonl.vllm.log')}.vllm.log")
+            shutil.rmtree(parts_dir(out / REGENERATED), ignore_errors=True)
+            if text is not None:
+                text.finish()
+    s.regenerated = {k: sum((r.get("regenerated") or {}).get(k, 0) for r in results.values()) for k in SUM}
+    where = f"{cfg.upload.rstrip('/')}/{REGENERATED}" if text is not None else str(out / REGENERATED)
+    s.regenerated.update(output=where, conversations_in_output=merged["conversations"])
+    return s

@@ -27,8 +27,8 @@ def check_one_pass(report, cfg, model_dir: Path, info, work: Path, on_gpu: bool)
 
     from vx.engine.reference import Reference
     from vx.jobs.config import ExtractConfig
-    from vx.pipeline.one_pass import REGENERATED
-    from vx.pipeline.one_pass_parallel import run as run_one_pass
+    from vx.jobs.one_pass import run as run_one_pass
+    from vx.store.format import REGENERATED
     from vx.store.reader import open_dataset
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))

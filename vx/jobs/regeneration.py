@@ -1,5 +1,5 @@
 """The one-pass job's regeneration: `vx regenerate` in a child process of `vx extract --regenerate`
-(vx/pipeline/one_pass.py), and what the driver says to it and hears from it.
+(vx/jobs/one_pass.py), and what the driver says to it and hears from it.
 
 On its stdin: a JSON line of the settings the driver worked out while the child imported vLLM
 (LATER: max_model_len, and on a GPU its share of --gpu-memory-utilization), then "go" when the driver holds it (CPU: the generation starts once the capture's
@@ -20,7 +20,11 @@ import sys
 import threading
 from pathlib import Path
 
+from vx.device import cuda_available
+from vx.engine.fast_exit import in_spawned_child
 from vx.errors import VxError
+
+in_spawned_child()  # the regeneration's engine core and worker import this module first: their quick exit
 
 STOP_S = 5.0      # the regeneration's process group gets this long after SIGTERM, then SIGKILL
 LATER = "stdin"   # a setting the driver works out while the child starts (send_later)
@@ -43,7 +47,7 @@ class Regeneration:
         # engines whose OpenMP threads share cores from two sessions starve each other's bound thread
         # for seconds (CPU: the regeneration's weights loaded in 2.4 s beside vx's start, 0.15 s alone)
         with open(log, "a") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "vx.pipeline.one_pass", json.dumps(conf)],
+            self.proc = subprocess.Popen([sys.executable, "-m", "vx.jobs.regeneration", json.dumps(conf)],
                                          env=full, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
                                          text=True, process_group=0)
         self.summary: dict | None = None
@@ -152,3 +156,75 @@ def before_stop(hold: bool, keep: bool, stdin):
                     return
         return until_started
     return None
+
+
+def cpu_layout() -> tuple[tuple[list[int], list[int]] | None, bool]:
+    """(the regeneration's cores and the capture's, or None for every core to both; whether the
+    capture waits for the regeneration's end). GPU: shared device, following. CPU: every core to
+    both, capture after. VX_ONE_PASS_CORES=split (bench/one_pass.py): the cores halved and the
+    capture following, the layout measured against it."""
+    if cuda_available():
+        return None, False
+    if os.environ.get("VX_ONE_PASS_CORES") != "split":
+        return None, True
+    cores = sorted(os.sched_getaffinity(0))
+    half = max(1, len(cores) // 2)
+    return (cores[:half], cores[half:] or cores), False
+
+
+def reversed_binding(tensor_parallel_size: int) -> dict[str, str]:
+    """The regeneration engine's OpenMP binding when both engines start at once on every core: the
+    cores in reverse order. vLLM's CPU worker binds its main thread to the first core of its list
+    (GOMP_CPU_AFFINITY for the libgomp it preloads) and sorts any list it is given, so two engines
+    starting together import, load and profile on one core while the other idles (bench/one_pass.py
+    timelines: ~5 core-s in 5 s). vLLM's "nobind" leaves the binding to GOMP_CPU_AFFINITY, which
+    vx/regenerate/engine.py sets for its engine's start only (ENGINE_GOMP): the worker's main thread
+    on the last core, its generation on every core. Left alone: a binding the user chose, and
+    tensor parallelism (vx/device.py splits the cores)."""
+    from vx.regenerate.engine import ENGINE_GOMP
+
+    if tensor_parallel_size > 1 or os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto":
+        return {}
+    cores = sorted(os.sched_getaffinity(0), reverse=True)
+    return {"VLLM_CPU_OMP_THREADS_BIND": "nobind", ENGINE_GOMP: " ".join(map(str, cores)),
+            "OMP_NUM_THREADS": str(len(cores))}
+
+
+def pin_env(cores: list[int]) -> dict[str, str]:
+    c = ",".join(map(str, cores))
+    return {"VX_CPU_CORES": c, "OMP_NUM_THREADS": str(len(cores)), "VLLM_CPU_OMP_THREADS_BIND": c}
+
+
+def main(argv: list[str]) -> int:
+    """The regeneration's process: `python -m vx.jobs.regeneration REGEN_CONFIG_JSON`, run as a
+    partition worker runs (dies with its launcher, keeps to its cores, JSON events on stdout)."""
+    from vx.launch.workers import run_partition_worker
+    from vx.regenerate.config import RegenConfig
+    from vx.regenerate.run import run_regenerate
+
+    def run(d: dict, events):
+        hold, keep = d.pop("hold", False), d.pop("keep", False)
+        if LATER in d.values():  # import the engine's modules while the driver plans, then ask
+            from vx.regenerate.engine import preload
+
+            preload(d["tensor_parallel_size"], Path(d["output"]))
+            line = sys.stdin.readline()
+            if not line.strip():
+                raise VxError("the one-pass driver stopped before the regeneration could start")
+            d = dict(d, **json.loads(line))
+
+        def ready():  # the engine started: the driver may start its own; held, wait for its word
+            events.emit("ready")
+            if hold and sys.stdin.readline().strip() != "go":
+                raise VxError("the one-pass driver stopped before the generation could start")
+
+        return run_regenerate(RegenConfig(**d), reporter=events, ready=ready,
+                              before_stop=before_stop(hold, keep, sys.stdin))
+
+    return run_partition_worker(argv, run)
+
+
+if __name__ == "__main__":
+    from vx.errors import leave
+
+    leave(main(sys.argv[1:]))

@@ -17,7 +17,7 @@
    against the reference under fp8's bound.
 7. The one-pass mode (vx extract --regenerate) on a few conversations, sampled: its stored ids
    against the template's rendering of what it regenerated, its states against the HF reference
-   (vx/pipeline/selftest_one_pass.py).
+   (vx/selftest/one_pass.py).
 One table on stdout; exit 0, or 1 naming the first sample and layer outside the bound.
 Over 300 lines: one command's stages in the order the table shows them, read top to bottom.
 """
@@ -50,7 +50,7 @@ class SelftestConfig:
     max_num_batched_tokens: int | None = None
     enforce_eager: bool | None = None  # None: vx's default (compiled + CUDA graphs on a GPU)
     output: Path | None = None         # keep shards and logs here (default: a temp dir, removed)
-    upload: str | None = None          # also prove the S3 path: s3://bucket/prefix (vx/pipeline/selftest_upload.py)
+    upload: str | None = None          # also prove the S3 path: s3://bucket/prefix (vx/selftest/upload.py)
     endpoint_url: str | None = None
     seed: int = 0
 
@@ -163,11 +163,11 @@ def _run(cfg: SelftestConfig, report: SelftestReport, on_gpu: bool, work: Path) 
     bare_s = _run_bare(model_dir, samples, work, common) if cfg.bench else None
     _compare(report, out, work / "backpressure", stressed, samples, model_dir, info)
     if cfg.upload:
-        from vx.pipeline.selftest_upload import check_upload
+        from vx.selftest.upload import check_upload
 
         check_upload(report, out, cfg.upload, cfg.endpoint_url)
     if cfg.one_pass:
-        from vx.pipeline.selftest_one_pass import check_one_pass
+        from vx.selftest.one_pass import check_one_pass
 
         check_one_pass(report, cfg, model_dir, info, work, on_gpu)
     from vx.monitor.flops import flops_per_token

@@ -1,1 +1,0 @@
-"""Pipelines that compose the jobs: `vx extract --regenerate` (one_pass.py)."""
