@@ -10,12 +10,27 @@ import typer
 
 from vx.cli.app import app
 from vx.data.generation import Generation
-from vx.cli.options import Layers, MetricsPort, ModelPath, OutputDir, Progress, ProgressEvery, parse_gpus, with_generation
+from vx.cli.options import (
+    ChatTemplate,
+    ChatTemplateKwargs,
+    IdField,
+    JsonSummary,
+    Layers,
+    MessagesField,
+    MetricsPort,
+    ModelPath,
+    OutputDir,
+    Progress,
+    ProgressEvery,
+    with_engines,
+    with_generation,
+)
 
 
 @app.command(no_args_is_help=True,
              short_help="Hidden states of chosen layers for every token of every sample (--regenerate: the "
                         "target writes the assistant turns in the same run).")
+@with_engines()
 @with_generation("--regenerate: ")
 def extract(
     data: Annotated[str, typer.Argument(help="Dataset: a .jsonl(.gz/.zst), .parquet or .arrow file, a datasets save_to_disk directory, a directory or glob of such files, or s3://bucket/key-or-prefix. Records: messages / conversations / text / input_ids.", show_default=False)],
@@ -28,11 +43,11 @@ def extract(
     sort_window: Annotated[int, typer.Option(help="hf: samples sorted by length together.")] = 8192,
     max_length: Annotated[Optional[int], typer.Option(help="Longest sample in tokens; see --overlong.")] = None,
     overlong: Annotated[str, typer.Option(help="truncate or skip samples over --max-length.")] = "truncate",
-    messages_field: Annotated[str, typer.Option(help="Record field holding the conversation (OpenAI messages or ShareGPT turns).")] = "messages",
+    messages_field: MessagesField = "messages",
     text_field: Annotated[str, typer.Option(help="Record field holding plain text (loss on every token).")] = "text",
-    id_field: Annotated[str, typer.Option(help="Record field holding the sample id (default when absent: the row number).")] = "id",
-    chat_template: Annotated[Optional[str], typer.Option(help="Jinja chat template file to use instead of the tokenizer's.")] = None,
-    chat_template_kwargs: Annotated[Optional[str], typer.Option(help='JSON object passed to the chat template, e.g. \'{"enable_thinking": false}\' (Qwen3 thinking off).')] = None,
+    id_field: IdField = "id",
+    chat_template: ChatTemplate = None,
+    chat_template_kwargs: ChatTemplateKwargs = None,
     dtype: Annotated[str, typer.Option(help="Compute dtype: auto (the checkpoint's; with --backend hf on a CPU without bf16 instructions, float32), bfloat16, float16, float32.")] = "auto",
     store_dtype: Annotated[str, typer.Option(help="Stored hidden-state dtype: bf16, fp16, fp32, fp8 (e4m3 + a float32 scale per token per layer; the reader dequantizes).")] = "bf16",
     shard_size: Annotated[float, typer.Option(help="Target shard size in MB.")] = 1024.0,
@@ -43,7 +58,7 @@ def extract(
     max_num_seqs: Annotated[Optional[int], typer.Option(help="vllm: requests per engine step. Default: the fewest consecutive samples of this run that fill a step in 99% of its stretches, + 1, twice that with async scheduling (a GPU's default); vLLM's own 1,024 profiles the sampler's logits for 1,024 requests, taken from the KV cache.")] = None,
     max_model_len: Annotated[Optional[int], typer.Option(help="vllm: the engine's longest request in tokens. Default: the longest sample this run submits + 1, rounded up to a whole block of the hidden-state cache (vx plans the engine's memory with vLLM's planner before loading weights; the summary's 'memory plan' line). The model's 262,144 would reserve capture memory no request uses, and stops vLLM where one such request does not fit.")] = None,
     gpu_memory_utilization: Annotated[Optional[float], typer.Option(help="vllm: fraction of GPU memory (of host memory on CPU) for the engine. Default 0.9 on GPU, 0.3 on CPU. With --regenerate on a GPU: the whole GPU's, split between the two engines by the capture's plan (printed), or refused in one line where both cannot fit.")] = None,
-    tensor_parallel_size: Annotated[int, typer.Option(help="vllm: GPUs per engine.")] = 1,
+    engines: dict = None,  # --tensor-parallel-size, --dp, --gpus, --ray-address, --max-retries (with_engines)
     enforce_eager: Annotated[Optional[bool], typer.Option("--enforce-eager/--no-enforce-eager", help="vllm: --enforce-eager runs without torch.compile and CUDA graphs; --no-enforce-eager compiles. Default: compiled on GPU, eager on CPU (faster there, see docs/performance.md).")] = None,
     upload: Annotated[Optional[str], typer.Option(help="Mirror committed shards to s3://bucket/prefix (or give -o s3://...).")] = None,
     endpoint_url: Annotated[Optional[str], typer.Option(help="S3-compatible endpoint URL (credentials: the standard AWS chain).")] = None,
@@ -51,13 +66,9 @@ def extract(
     keep_local: Annotated[bool, typer.Option(help="Keep local shards after they are uploaded and verified.")] = False,
     retain_gb: Annotated[Optional[float], typer.Option(help="Train while extracting with bounded storage: delete shards once every vx.loader(follow=True) rank has committed them, and wait while unconsumed shards would exceed this many GB (local and S3).")] = None,
     compress: Annotated[Optional[str], typer.Option(help="blocks: code each ~1 MiB of rows losslessly (bf16 ~1.4x smaller; a sample is still one byte range: loader, follow and S3 row reads as before). zstd: each shard file as one frame (~1.25x; the reader decompresses whole shards into memory).")] = None,
-    data_parallel_size: Annotated[int, typer.Option("--data-parallel-size", "--dp", help="Engines on this node, one per GPU group of --tensor-parallel-size (on CPU: each on its share of the cores), over token-balanced partitions.")] = 1,
-    gpus: Annotated[Optional[str], typer.Option(help="GPU ids for the engines, e.g. 0,1,2,3 (with --tensor-parallel-size 2: 2 engines of 2 GPUs).")] = None,
     num_partitions: Annotated[int, typer.Option(help="Split the dataset into this many token-balanced partitions (the unit of work and of retry). Default: one per engine.")] = 1,
     partition_index: Annotated[Optional[int], typer.Option(help="Run only this partition (0-based) of --num-partitions, resumable: for SLURM arrays and other batch schedulers.")] = None,
     ray: Annotated[bool, typer.Option(help="Run the partitions as Ray tasks on an existing Ray cluster (use -o s3://... so every node writes to the same place).")] = False,
-    ray_address: Annotated[Optional[str], typer.Option(help="Ray cluster address. Default: auto (RAY_ADDRESS, or the cluster started on this node).")] = None,
-    max_retries: Annotated[int, typer.Option(help="ray: times a failed partition is rescheduled (it resumes from its manifest).")] = 3,
     regenerate: Annotated[bool, typer.Option(help="One pass: the target first writes every assistant turn (as vx regenerate, into OUT/regenerated.jsonl) and each regenerated conversation's states are captured as soon as it is committed, the two engines running side by side. With --data-parallel-size/--gpus each engine slot does this for its share of the prompts. With -o s3://... the text goes to S3 before its states, and a rerun anywhere continues from S3. The generation options below apply.")] = False,
     generation: Generation = None,  # --turns ... --drop-truncated (vx/cli/options.py with_generation)
     verify: Annotated[int, typer.Option(help="After the run, recompute this many random committed samples with the HF reference on this machine's device (once the engine has released it) and compare every layer; exit 1 below the bound. 0: off.")] = 0,
@@ -65,7 +76,7 @@ def extract(
     progress_every: ProgressEvery = None,
     metrics_port: MetricsPort = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show vLLM's INFO log live on stderr (it is always written to OUT/logs/).")] = False,
-    json_summary: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object.")] = False,
+    json_summary: JsonSummary = False,
 ):
     """Extract target-layer hidden states for every token of every sample.
 
@@ -101,11 +112,10 @@ def extract(
         chat_template=chat_template, chat_template_kwargs=chat_template_kwargs, verbose=verbose, dtype=dtype, store_dtype=store_dtype, shard_size_mb=shard_size, strict=strict,
         overwrite=overwrite, device=device, max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs, max_model_len=max_model_len, verify=verify, gpu_memory_utilization=gpu_memory_utilization,
-        tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager, upload=upload,
+        enforce_eager=enforce_eager, upload=upload,
         endpoint_url=endpoint_url, max_local_gb=max_local_gb, keep_local=keep_local, retain_gb=retain_gb, compress=compress,
-        data_parallel_size=data_parallel_size, gpus=parse_gpus(gpus), num_partitions=num_partitions,
-        partition_index=partition_index, ray=ray, ray_address=ray_address, max_retries=max_retries,
-        regenerate=regenerate, metrics_port=metrics_port, progress_every=progress_every, **asdict(generation),
+        num_partitions=num_partitions, partition_index=partition_index, ray=ray, regenerate=regenerate,
+        metrics_port=metrics_port, progress_every=progress_every, **engines, **asdict(generation),
     )
     # in this process, on this node's engine slots, or on Ray (vx/launch/launcher.py)
     s = launch(one_pass if cfg.regenerate else extract_job, cfg, progress=progress)

@@ -24,6 +24,18 @@ ProgressEvery = Annotated[Optional[float], typer.Option(
 MetricsPort = Annotated[Optional[int], typer.Option(
     help="Serve Prometheus metrics on this TCP port (http://HOST:PORT/metrics; 0: any free port, logged): samples, tokens, bytes written and uploaded, retries, bad records, rates, MFU, ETA, queue depths, upload backlog, device memory, per partition. See docs/monitoring.md.")]
 
+# the engine, scale-out and reading options `vx extract` and `vx regenerate` share
+TensorParallelSize = Annotated[int, typer.Option(help="vllm: GPUs per engine.")]
+DataParallelSize = Annotated[int, typer.Option("--data-parallel-size", "--dp", help="Engines on this node, one per GPU group of --tensor-parallel-size (on CPU: each on its share of the cores), over token-balanced partitions.")]
+Gpus = Annotated[Optional[str], typer.Option(help="GPU ids for the engines, e.g. 0,1,2,3 (with --tensor-parallel-size 2: 2 engines of 2 GPUs).")]
+RayAddress = Annotated[Optional[str], typer.Option(help="Ray cluster address. Default: auto (RAY_ADDRESS, or the cluster started on this node).")]
+MaxRetries = Annotated[int, typer.Option(help="ray: times a failed partition is rescheduled (it resumes from what it committed).")]
+MessagesField = Annotated[str, typer.Option(help="Record field holding the conversation (OpenAI messages or ShareGPT turns).")]
+IdField = Annotated[str, typer.Option(help="Record field holding the sample id (default when absent: the row number).")]
+ChatTemplate = Annotated[Optional[str], typer.Option(help="Jinja chat template file to use instead of the tokenizer's.")]
+ChatTemplateKwargs = Annotated[Optional[str], typer.Option(help='JSON object passed to the chat template, e.g. \'{"enable_thinking": false}\' (Qwen3 thinking off).')]
+JsonSummary = Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object.")]
+
 
 def parse_gpus(text: str | None) -> list[int] | None:
     if text is None:
@@ -59,20 +71,37 @@ def with_generation(prefix: str = ""):
     hints = typing.get_type_hints(Generation)  # `int | None` as typer reads it: Optional[int]
     kind = {f.name: Optional[hints[f.name].__args__[0]] if isinstance(hints[f.name], types.UnionType)
             else hints[f.name] for f in fields(Generation)}
-    options = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
-                                 annotation=Annotated[kind[f.name], typer.Option(help=prefix + GENERATION_HELP[f.name])])
-               for f in fields(Generation)]
+    return _group("generation", [_option(f.name, Annotated[kind[f.name], typer.Option(help=prefix + GENERATION_HELP[f.name])],
+                                         f.default) for f in fields(Generation)], Generation)
 
+
+def with_engines():
+    """The engine and scale-out options every job that runs engines takes alike (--tensor-parallel-size,
+    --data-parallel-size, --gpus, --ray-address, --max-retries): in place of the command's `engines`
+    parameter, which receives them as a dict of its config's fields (--gpus parsed)."""
+    return _group("engines", [_option("tensor_parallel_size", TensorParallelSize, 1),
+                              _option("data_parallel_size", DataParallelSize, 1), _option("gpus", Gpus, None),
+                              _option("ray_address", RayAddress, None), _option("max_retries", MaxRetries, 3)],
+                  lambda **kw: dict(kw, gpus=parse_gpus(kw["gpus"])))
+
+
+def _option(name: str, annotation, default) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+
+
+def _group(placeholder: str, options: list[inspect.Parameter], make):
+    """A decorator: `options` in the command's parameters where its `placeholder` parameter is, and
+    handed to it as that parameter, make(**their values). typer reads the signature this gives."""
     def wrap(command):
         sig = inspect.signature(command, eval_str=True)
         params = []
         for p in sig.parameters.values():
-            params += options if p.name == "generation" else [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)]
+            params += options if p.name == placeholder else [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)]
 
         @functools.wraps(command, assigned=("__module__", "__name__", "__qualname__", "__doc__"))
         def run(**kwargs):
-            generation = Generation(**{f.name: kwargs.pop(f.name) for f in fields(Generation)})
-            return command(**kwargs, generation=generation)
+            group = make(**{o.name: kwargs.pop(o.name) for o in options})
+            return command(**kwargs, **{placeholder: group})
 
         run.__signature__ = sig.replace(parameters=params)
         run.__annotations__ = {p.name: p.annotation for p in params}

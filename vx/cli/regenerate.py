@@ -9,39 +9,48 @@ from typing import Annotated, Optional
 import typer
 
 from vx.cli.app import app
-from vx.cli.options import MetricsPort, ModelPath, Progress, ProgressEvery, parse_gpus, with_generation
+from vx.cli.options import (
+    ChatTemplate,
+    ChatTemplateKwargs,
+    IdField,
+    JsonSummary,
+    MessagesField,
+    MetricsPort,
+    ModelPath,
+    Progress,
+    ProgressEvery,
+    with_engines,
+    with_generation,
+)
 from vx.data.generation import Generation
 
 
 @app.command(no_args_is_help=True, short_help="Regenerate the assistant turns with the target model, resumably.")
+@with_engines()
 @with_generation()
 def regenerate(
     data: Annotated[str, typer.Argument(help="Conversations, in any input format `vx extract` reads.", show_default=False)],
     output: Annotated[str, typer.Option("--output", "-o", help="Output JSONL (appended; rerun to resume).")] = "regen.jsonl",
     model: ModelPath = None,
     generation: Generation = None,  # --turns ... --drop-truncated (vx/cli/options.py with_generation)
-    chat_template: Annotated[Optional[str], typer.Option(help="Jinja chat template file instead of the tokenizer's.")] = None,
-    chat_template_kwargs: Annotated[Optional[str], typer.Option(help='JSON object for the template, e.g. \'{"enable_thinking": false}\'.')] = None,
-    messages_field: Annotated[str, typer.Option(help="Record field holding the conversation.")] = "messages",
-    id_field: Annotated[str, typer.Option(help="Record field holding the id (default: the row number).")] = "id",
+    chat_template: ChatTemplate = None,
+    chat_template_kwargs: ChatTemplateKwargs = None,
+    messages_field: MessagesField = "messages",
+    id_field: IdField = "id",
     max_num_seqs: Annotated[Optional[int], typer.Option(help="vllm: requests per engine step.")] = None,
     gpu_memory_utilization: Annotated[Optional[float], typer.Option(help="vllm: fraction of GPU memory (host memory on CPU).")] = None,
     max_model_len: Annotated[Optional[int], typer.Option(help="vllm: longest prompt + generation.")] = None,
-    tensor_parallel_size: Annotated[int, typer.Option(help="vllm: GPUs per engine.")] = 1,
-    data_parallel_size: Annotated[int, typer.Option("--data-parallel-size", "--dp", help="Engines on this node, one per GPU group of --tensor-parallel-size (on CPU: each on its share of the cores), over token-balanced partitions merged into OUTPUT at the end.")] = 1,
-    gpus: Annotated[Optional[str], typer.Option(help="GPU ids for the engines, e.g. 0,1,2,3 (with --tensor-parallel-size 2: 2 engines of 2 GPUs).")] = None,
+    engines: dict = None,  # --tensor-parallel-size, --dp, --gpus, --ray-address, --max-retries (with_engines)
     num_partitions: Annotated[int, typer.Option(help="Split the conversations into this many token-balanced partitions (the unit of work and of retry; parts in OUTPUT.parts/). Default: one per engine.")] = 1,
     partition_index: Annotated[Optional[int], typer.Option(help="Run only this partition (0-based) of --num-partitions, e.g. a SLURM array task; the last one to finish merges all into OUTPUT.")] = None,
     ray: Annotated[bool, typer.Option(help="Run the partitions as Ray tasks on an existing Ray cluster (OUTPUT and DATA on a filesystem every node shares).")] = False,
-    ray_address: Annotated[Optional[str], typer.Option(help="Ray cluster address. Default: auto (RAY_ADDRESS, or the cluster started on this node).")] = None,
-    max_retries: Annotated[int, typer.Option(help="ray: times a failed partition is rescheduled (it resumes from its part).")] = 3,
     commit_every: Annotated[int, typer.Option(help="Conversations per fsynced chunk of the output (also at most 2 s apart).")] = 64,
     endpoint_url: Annotated[Optional[str], typer.Option(help="S3-compatible endpoint for s3:// inputs.")] = None,
     progress: Progress = None,
     progress_every: ProgressEvery = None,
     metrics_port: MetricsPort = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="vLLM's log live on stderr (always in OUTPUT.vllm.log).")] = False,
-    json_summary: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object.")] = False,
+    json_summary: JsonSummary = False,
 ):
     """Regenerate the assistant turns with the target model, resumably, for drafter training.
 
@@ -66,10 +75,8 @@ def regenerate(
                       **asdict(generation), max_num_seqs=max_num_seqs,
                       gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
                       commit_every=commit_every, endpoint_url=endpoint_url, verbose=verbose,
-                      tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
-                      gpus=parse_gpus(gpus), num_partitions=num_partitions, partition_index=partition_index,
-                      ray=ray, ray_address=ray_address, max_retries=max_retries, metrics_port=metrics_port,
-                      progress_every=progress_every)
+                      num_partitions=num_partitions, partition_index=partition_index, ray=ray,
+                      metrics_port=metrics_port, progress_every=progress_every, **engines)
     s = launch(job, cfg, progress=progress)  # in this process, on this node's engine slots, or on Ray
     if json_summary:
         print(json.dumps(s))
