@@ -108,3 +108,44 @@ def test_a_paused_writer_woken_after_its_successor_finished_corrupts_nothing(s3_
     verify = subprocess.run([sys.executable, "-m", "vx", "verify", target, "--endpoint-url", url], capture_output=True,
                             text=True, cwd=ROOT, env=dict(os.environ, **CREDS), timeout=300)
     assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def test_a_local_output_on_a_shared_filesystem_refuses_a_writer_on_another_host(tmp_path):
+    """flock may not reach across the hosts of an NFS or Lustre mount: the output's lock also
+    records its holder with a heartbeat. A fresh heartbeat of another host's writer refuses a
+    second writer in one line before anything is touched; a stale one (a host that died) does
+    not; a running writer keeps its heartbeat fresh and clears the record when it ends."""
+    import socket
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in chats(8)))
+    out = tmp_path / "out"
+    out.mkdir()
+    lock = out / ".vx-lock"
+    lock.write_text(json.dumps({"pid": 4242, "host": "node-17", "heartbeat": time.time() - 5}) + "\n")
+    r = extract(data, out, tmp_path / "cache")
+    assert r.returncode == 2, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("vx: ") and "pid 4242 on node-17" in last and "another host" in last, last
+    assert sorted(p.name for p in out.iterdir()) == [".vx-lock"]  # nothing else touched
+
+    lock.write_text(json.dumps({"pid": 4242, "host": "node-17", "heartbeat": time.time() - 120}) + "\n")
+    wake, trace = tmp_path / "wake", tmp_path / "trace"
+    run = extract(data, out, tmp_path / "cache", wait=False,
+                  env={"VX_LOCK_HEARTBEAT_S": "0.3", "VX_FAULT": "after-batch:1:stall", "VX_FAULT_STALL_UNTIL": str(wake),
+                       "VX_FAULT_STALL_S": "300", "VX_FAULT_TRACE": str(trace)})
+    try:
+        wait_for(lambda: trace.exists() and "fired after-batch" in trace.read_text() or run.poll() is not None,
+                 "the writer to pause after its first batch")
+        first = json.loads(lock.read_text())
+        time.sleep(1.5)
+        second = json.loads(lock.read_text())
+        assert first["host"] == socket.gethostname() and first["pid"] == run.pid
+        assert second["heartbeat"] - first["heartbeat"] >= 0.9  # beating while the writer is paused
+        wake.touch()
+        _, err = run.communicate(timeout=300)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 0, err[-2000:]
+    assert lock.read_text() == ""  # let go: another host may start at once

@@ -33,7 +33,7 @@ from vx.store.format import (
     repair_manifest,
     write_manifest,
 )
-from vx.store.lock import drop_dead_temps, live_writer, try_lock, write_atomically
+from vx.store.lock import drop_dead_temps, hold, live_writer, write_atomically
 
 # Keys of vx.json that must match for a rerun to continue the same output.
 IDENTITY_KEYS = ("model_fingerprint", "layer_ids", "store_dtype", "hidden_size")
@@ -285,16 +285,17 @@ def write_meta(out: Path, meta: dict) -> None:
 @contextlib.contextmanager
 def output_lock(out: Path):
     """One writer per output directory (per partition directory): a second `vx extract` on the
-    same one, on this machine, stops at once instead of deleting the first one's pending shards."""
+    same one, on this machine or on another host sharing the filesystem (vx/store/lock.py hold),
+    stops at once instead of deleting the first one's pending shards."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    f, holder = try_lock(out / LOCK)
+    held, holder = hold(out / LOCK)
     if holder:
         raise UsageError(f"{out} is being written by another vx extract ({holder}); wait for it or stop it first")
     try:
         yield
     finally:
-        f.close()
+        held.release()
 
 
 def prepare_output(out: Path, meta: dict, overwrite: bool) -> ResumeState:
