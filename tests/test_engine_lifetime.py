@@ -29,7 +29,6 @@ import vx
 from conftest import ROOT, machine_cache
 from vx.engine.liveness import STOPPING_S
 
-sys.path.insert(0, str(ROOT / "bench"))
 import procfs  # noqa: E402
 
 CHAT = str(ROOT / "examples" / "chat.jsonl")

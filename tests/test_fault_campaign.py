@@ -1,4 +1,4 @@
-"""Crash anywhere, lose nothing: the fault campaign (bench/fault_campaign.py) on the hf backend,
+"""Crash anywhere, lose nothing: the fault campaign (tests/fault_campaign.py) on the hf backend,
 every failpoint of vx.faults.POINTS that a one-engine extraction passes (shard bytes, fsync,
 rename, manifest append and its repair, each S3 upload step and multipart part, the S3 manifest,
 --retain-gb deletion) fired once, by kill, I/O error, full disk or stall, each followed by a
@@ -8,7 +8,7 @@ multipart upload, no temp file, no orphan process, no traceback, follow readers 
 once. Then SIGKILL, SIGTERM and SIGINT from outside, to the driver and to its whole process group
 (a scheduler's kill, `timeout`, Ctrl-C): it ends within 60 s with its documented exit code, and the
 rerun completes the output. --dp 2, signals to an engine or a partition worker, and the other
-modes (vLLM, vx regenerate, the one-pass mode) run in the bench: `python bench/fault_campaign.py
+modes (vLLM, vx regenerate, the one-pass mode) run as a command: `python tests/fault_campaign.py
 --trials 200`."""
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import sys
 
 from conftest import ROOT
 
-sys.path.insert(0, str(ROOT / "bench"))
 
 import fault_campaign as campaign  # noqa: E402
 
@@ -78,13 +77,13 @@ REGRESSIONS = [
     # S3's text segments into its merged file alone, which lacked what the parts held, and deleted
     # the rest: S3 then held states of 12 conversations without their text. The restore now puts
     # every committed conversation's text in the merged file before the compaction. Two engines
-    # a slot: it runs in the bench
+    # a slot: it runs in the long campaign (python tests/fault_campaign.py)
     {"mode": "one-pass", "sink": "s3", "dp": 2, "follow": False, "retain": False, "index": 73, "seed": 60,
      "fault": {"kind": "signal", "target": "worker", "sig": "INT", "at": 0.2883054344964151}},
     # SIGTERM to the vLLM engine core early in a run: its worker died, its core lingered, and vLLM's
     # process manager force-killed it 5 s later, logging that after vx's one-line error (exit 3 was
     # right, the last line was not). vx now ends what is left of a dead engine itself, before vLLM's
-    # client cleans up (vx.engine.vllm_engine.end_dead_engine). vLLM engine: it runs in the bench;
+    # client cleans up (vx.engine.vllm_engine.end_dead_engine). vLLM engine: it runs in the long campaign (python tests/fault_campaign.py);
     # test_engine_lifetime's SIGTERM-to-the-core step is its CI counterpart
     {"mode": "extract-vllm", "sink": "local", "dp": 1, "follow": False, "retain": False, "index": 35, "seed": 61,
      "fault": {"kind": "signal", "target": "engine", "sig": "TERM", "at": 0.2758604849269048}},
@@ -128,7 +127,7 @@ def inside(t: dict) -> dict:
 def test_a_fault_at_every_durable_step_then_a_rerun_loses_nothing(tmp_path, tiny_model):
     """CI's share (time): every failpoint one hf engine passes, two to a trial, the outside signals
     to the driver and its process group, then the regression trials that need one engine. --dp 2
-    and the vLLM modes run in the bench."""
+    and the vLLM modes run in the long campaign (python tests/fault_campaign.py)."""
     modes = ["extract-hf"]
     cover = campaign.coverage(modes)
     points = [i for i, item in enumerate(cover) if item[0] == "point" and item[1] != "before-plan-publish"]

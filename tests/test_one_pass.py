@@ -21,7 +21,6 @@ import vx
 from vx.data.follow import committed_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
 import procfs  # noqa: E402
 LAYERS = [1, 3, 5]
 

@@ -17,7 +17,6 @@ from test_s3 import CREDS, download, s3_server  # noqa: F401  (fixture)
 from test_scale_out import CHAT, assert_same_dataset
 from test_follow import LAYERS, chats
 
-sys.path.insert(0, str(ROOT / "bench"))
 import procfs  # noqa: E402
 
 

@@ -88,7 +88,7 @@ def test_a_killed_driver_or_engine_and_sigterm_to_the_group_then_a_rerun_give_ev
     death); SIGTERM to the whole process group (exit 143 within 10 s); no process left after any;
     the rerun then writes every conversation once, and every line parses."""
     from test_engine_lifetime import BOUND_S, assert_one_line, follow, kill9_and_wait, launch, wait_gone
-    import procfs  # bench/, on the path test_engine_lifetime sets
+    import procfs  # tests/procfs.py
 
     rows = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"question number {i}"}]} for i in range(40)]
     data = write_jsonl(tmp_path / "d.jsonl", rows)

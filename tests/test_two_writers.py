@@ -10,7 +10,7 @@ over HTTP. The first is stalled by a failpoint before its fourth shard's upload 
 checked, not all listed yet), and woken once the second has finished. The second writes with a smaller --shard-size, so
 that its shards hold other samples than the first's under the same numbers, as vLLM's batching
 makes them in a real rerun (the HF backend is deterministic: equal settings would give equal bytes
-and hide a clobbered key). Checks are bench/fault_checks.py's own reading of the objects.
+and hide a clobbered key). Checks are tests/fault_checks.py's own reading of the objects.
 """
 
 import json
@@ -24,7 +24,6 @@ import pytest
 from conftest import ROOT, machine_cache
 from test_s3 import CREDS, s3_server  # noqa: F401  (the fixture)
 
-sys.path.insert(0, str(ROOT / "bench"))
 
 import fault_checks as checks  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The invariants a fault campaign trial checks after its rerun (bench/fault_campaign.py).
+"""The invariants a fault campaign trial checks after its rerun (tests/fault_campaign.py).
 
 Each check reads what the run left (local files, or S3 over HTTP) with its own code, not vx's
 writer or reader paths: manifests parsed here, checksums computed here with awscrt (the CRC S3

@@ -1,8 +1,8 @@
 """Fault campaign: crash vx wherever it makes data durable, rerun it, and check that nothing was
 lost, doubled, torn or left behind.
 
-    python bench/fault_campaign.py --trials 200 --seed 1 [--jobs 2] [--modes extract-hf,extract-vllm,...]
-    python bench/fault_campaign.py --seed 1 --only 17      # trial 17 of campaign 1 again, alone
+    python tests/fault_campaign.py --trials 200 --seed 1 [--jobs 2] [--modes extract-hf,extract-vllm,...]
+    python tests/fault_campaign.py --seed 1 --only 17      # trial 17 of campaign 1 again, alone
 
 Each trial draws, from its own seed (campaign seed and trial number): a mode (`vx extract` on the
 hf or vllm backend, local or to S3 over HTTP (moto's server on loopback; some trials with shards
@@ -16,7 +16,7 @@ passes, at its n-th pass, acting by kill (SIGKILL of itself), eio, enospc or sta
 from outside (SIGKILL, SIGTERM or SIGINT to the driver, to its whole process group, to the vLLM
 engine core, to one partition worker) at a random moment. Some trials fault the first rerun too
 (a crash during recovery; repair-manifest is reached only there). Then the same command runs to
-its end and bench/fault_checks.py checks: every sample committed exactly once; every committed
+its end and tests/fault_checks.py checks: every sample committed exactly once; every committed
 shard's size and CRC64-NVME (computed here); every stored row within cosine 0.99 of a clean run's,
 its input ids equal; S3's listing equals the manifests' undropped shards, no multipart upload left
 open, staging empty; no temp files; no process of a run (found by a mark in its environment)
@@ -49,7 +49,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a command: its checks beside it
 
 import fault_checks as checks  # noqa: E402
 import procfs  # noqa: E402
@@ -654,6 +654,7 @@ def main() -> None:
     only = [int(x) for x in a.only.split(",")] if a.only else None
     t = run_campaign(a.trials, a.seed, work, a.modes.split(","), a.jobs, only,
                      log=lambda m: print(m, file=sys.stderr, flush=True))
+    sys.path.insert(0, str(ROOT / "bench"))  # the benches' results file, for a long campaign run as a command
     from common import write_result
 
     path = write_result("fault_campaign", t, a.results)
