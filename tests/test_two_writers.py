@@ -27,7 +27,7 @@ from test_s3 import CREDS, s3_server  # noqa: F401  (the fixture)
 
 import fault_checks as checks  # noqa: E402
 
-ROWS = 36
+ROWS = 24
 
 
 def chats(n: int) -> list[dict]:
@@ -57,19 +57,27 @@ def wait_for(pred, what: str, timeout: float = 300):
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize("partition", [False, True], ids=["root", "partition"])
-def test_a_paused_writer_woken_after_its_successor_finished_corrupts_nothing(s3_server, tmp_path, partition):
-    url, client = s3_server
-    data = tmp_path / "chats.jsonl"
+@pytest.fixture(scope="module")
+def chats_and_rows(tmp_path_factory):
+    """The dataset, and every sample's rows from a clean local run of it: what each output is held against."""
+    base = tmp_path_factory.mktemp("two-writers")
+    data = base / "chats.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in chats(ROWS)))
+    ref = extract(data, base / "ref", base / "cache-ref")
+    assert ref.returncode == 0, ref.stderr
+    files = checks.Output.local(base / "ref")
+    _, headers = checks.checksums_pass(files)
+    return data, {k: v for name, h in headers.items() for k, v in checks.rows_of(files.files[name], h).items()}
+
+
+@pytest.mark.parametrize("partition", [False, True], ids=["root", "partition"])
+def test_a_paused_writer_woken_after_its_successor_finished_corrupts_nothing(s3_server, chats_and_rows, tmp_path,
+                                                                             partition):
+    url, client = s3_server
+    data, reference = chats_and_rows
     prefix = f"two-{'part' if partition else 'root'}"
     target = f"s3://vx-out/{prefix}"
     where = ["--endpoint-url", url] + (["--num-partitions", "2", "--partition-index", "0"] if partition else [])
-    ref = extract(data, tmp_path / "ref", tmp_path / "cache-ref")  # every row is held against this run's
-    assert ref.returncode == 0, ref.stderr
-    files = checks.Output.local(tmp_path / "ref")
-    _, headers = checks.checksums_pass(files)
-    reference = {k: v for name, h in headers.items() for k, v in checks.rows_of(files.files[name], h).items()}
 
     wake, trace = tmp_path / "wake", tmp_path / "trace-a"
     first = extract(data, target, tmp_path / "host-a", "--shard-size", "0.3", *where, wait=False,

@@ -17,6 +17,7 @@ task on any node.
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 import time
 from dataclasses import replace
@@ -52,7 +53,7 @@ def _on_node(job, cfg, progress):
     def start(index: int, slot_env: dict, events):
         log = prep.logs / f"{part_name(index, cfg.num_partitions)}.log"
         with open(log, "a") as f:
-            f.write(f"--- partition {index} started {time.strftime('%Y-%m-%d %H:%M:%S')} with {slot_env}\n")
+            f.write(f"--- partition {index} started {time.strftime('%Y-%m-%d %H:%M:%S')} with {json.dumps(slot_env)}\n")
         proc, reader = spawn_worker(job.worker_config(prep, index, prep.plan_file, share), slot_env, log,
                                     lambda rec: events.put((index, rec)), job.NAME)
         return proc, index, time.perf_counter(), log, reader
