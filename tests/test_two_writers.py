@@ -70,14 +70,14 @@ def chats_and_rows(tmp_path_factory):
     return data, {k: v for name, h in headers.items() for k, v in checks.rows_of(files.files[name], h).items()}
 
 
-@pytest.mark.parametrize("partition", [False, True], ids=["root", "partition"])
-def test_a_paused_writer_woken_after_its_successor_finished_corrupts_nothing(s3_server, chats_and_rows, tmp_path,
-                                                                             partition):
+def test_a_paused_writer_woken_after_its_successor_finished_corrupts_nothing(s3_server, chats_and_rows, tmp_path):
+    """One partition of a 2-way run, as a Ray retry or a requeued array task meets it (the fault
+    campaign's two-writers mode runs whole outputs and partitions alike, hf and vLLM)."""
     url, client = s3_server
     data, reference = chats_and_rows
-    prefix = f"two-{'part' if partition else 'root'}"
+    prefix = "two"
     target = f"s3://vx-out/{prefix}"
-    where = ["--endpoint-url", url] + (["--num-partitions", "2", "--partition-index", "0"] if partition else [])
+    where = ["--endpoint-url", url, "--num-partitions", "2", "--partition-index", "0"]
 
     wake, trace = tmp_path / "wake", tmp_path / "trace-a"
     first = extract(data, target, tmp_path / "host-a", "--shard-size", "0.3", *where, wait=False,
@@ -95,16 +95,15 @@ def test_a_paused_writer_woken_after_its_successor_finished_corrupts_nothing(s3_
             first.kill()
     assert second.returncode == 0, second.stderr[-2000:]
     assert first.returncode == 4, (first.returncode, err[-2000:])
-    part = "part-00000-of-00002/" if partition else ""
+    part = "part-00000-of-00002/"
     owner = json.loads(client.get_object(Bucket="vx-out", Key=f"{prefix}/{part}.vx-owner.json")["Body"].read())
     last = err.strip().splitlines()[-1]
     assert last.startswith("vx: ") and "Traceback" not in err, err[-2000:]
     assert f"{target}/{part}".rstrip("/") in last and "taken over by another writer" in last, last
     assert f"pid {owner['pid']} on {owner['host']}" in last and f"attempt {owner['attempt']}" in last, last
-    if partition:  # the other partition too: then the whole output holds every sample once
-        rest = extract(data, target, tmp_path / "host-b", "--shard-size", "0.2", "--endpoint-url", url,
-                       "--num-partitions", "2", "--partition-index", "1")
-        assert rest.returncode == 0, rest.stderr[-2000:]
+    rest = extract(data, target, tmp_path / "host-b", "--shard-size", "0.2", "--endpoint-url", url,
+                   "--num-partitions", "2", "--partition-index", "1")  # then the whole output holds every sample once
+    assert rest.returncode == 0, rest.stderr[-2000:]
 
     files = checks.Output.s3(client, "vx-out", prefix)
     bad = checks.exactly_once(files, [r["id"] for r in chats(ROWS)])
@@ -125,7 +124,7 @@ def test_a_local_output_on_a_shared_filesystem_refuses_a_writer_on_another_host(
     import socket
 
     data = tmp_path / "chats.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in chats(8)))
+    data.write_text("".join(json.dumps(r) + "\n" for r in chats(4)))
     out = tmp_path / "out"
     out.mkdir()
     lock = out / ".vx-lock"
