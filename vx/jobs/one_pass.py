@@ -43,6 +43,7 @@ from pathlib import Path
 from vx.device import cuda_available
 from vx.engine.plan_start import gpu_shares
 from vx.errors import UsageError, raise_if_stopped
+from vx.jobs import extract
 from vx.jobs.regenerated_text import merge_when_complete, text_in_s3
 from vx.jobs.regeneration import LATER, Regeneration, cpu_layout, pin_env, reversed_binding
 from vx.regenerate.output import looks_finished, merge_leftover_parts
@@ -237,6 +238,7 @@ def run_one_pass(cfg, progress: bool | None = None, reporter=None):
 
 # -- the job as the launcher runs it ---------------------------------------------------------------
 run = run_one_pass
+worker_config, watch = extract.worker_config, extract.watch  # a partition's worker and the live figures: extraction's
 
 
 def config(d: dict):
@@ -249,7 +251,6 @@ def prepare(cfg):
     """Once, before the workers: extraction's (identity, plan), then the generation options checked
     (OUT/regenerate.json), with -o s3:// the text of what S3 holds states of restored and its
     segments compacted, and both engines' max_model_len. The workers get the config it returns."""
-    from vx.jobs import extract
     from vx.regenerate.output import parts_dir
 
     prep = extract.prepare(cfg)
@@ -264,18 +265,6 @@ def prepare(cfg):
     return prep
 
 
-def worker_config(prep, index: int, plan_file: str | None, cpu_share: float | None, portable: bool = False) -> dict:
-    from vx.jobs import extract
-
-    return extract.worker_config(prep, index, plan_file, cpu_share, portable)
-
-
-def watch(bar, prep, engines: int):
-    from vx.jobs import extract
-
-    return extract.watch(bar, prep, engines)
-
-
 def finish(prep, results: dict, t0: float):
     """Once every partition is done: one Summary, and one OUT/regenerated.jsonl (on this node: from
     the parts; on Ray: from S3's text, or the parts on the shared filesystem), its engine logs
@@ -283,7 +272,6 @@ def finish(prep, results: dict, t0: float):
     import shutil
 
     from vx.engine.logs import LOG_DIR
-    from vx.jobs import extract
     from vx.regenerate.output import merge_parts, parts_dir
 
     s = extract.finish(prep, results, t0)
