@@ -33,8 +33,8 @@ def read_rows(n: int) -> list[dict]:
 
 
 def run_vx(rows: list[dict], max_tokens: int) -> dict:
-    from vx.regenerate.config import RegenConfig
-    from vx.regenerate.run import run_regenerate
+    from vx.jobs.config import RegenConfig
+    from vx.jobs.regenerate import run_regenerate
     from vx.data.tiny import default_model_dir
 
     with tempfile.TemporaryDirectory(prefix="vx-bench-regen-") as tmp:

@@ -27,7 +27,7 @@ import pytest
 
 import vx
 from conftest import ROOT, machine_cache
-from vx.engine.liveness import STOPPING_S
+from vx.engine.lifetime.liveness import STOPPING_S
 
 import procfs  # noqa: E402
 
@@ -367,11 +367,11 @@ import multiprocessing, sys
 {entry}
 
 def child(q):
-    import vx.engine.fast_exit as quick
+    import vx.engine.lifetime.fast_exit as quick
     q.put(quick._installed)
 
 if __name__ == "__main__":
-    import vx.engine.fast_exit as quick
+    import vx.engine.lifetime.fast_exit as quick
     ctx = multiprocessing.get_context("spawn")  # how vLLM starts its engine core and worker on CPU
     q = ctx.Queue()
     p = ctx.Process(target=child, args=(q,))
@@ -385,7 +385,7 @@ def test_processes_spawned_from_a_vx_command_exit_without_the_final_collection_a
         tmp_path):
     """A regeneration's engine core has no vx code of its own; Python imports the parent's main
     module first in a spawned process, so a vx command's main module installs the quick exit
-    there (vx/engine/fast_exit.py), and only there. As the `vx` script (a path) and as `python -m`
+    there (vx/engine/lifetime/fast_exit.py), and only there. As the `vx` script (a path) and as `python -m`
     (a module) run it."""
     (tmp_path / "as_script.py").write_text(SPAWNS.format(entry="from vx.__main__ import run  # the vx script"))
     (tmp_path / "as_module.py").write_text(SPAWNS.format(entry="import vx.jobs.regeneration  # -m vx.jobs.regeneration"))

@@ -53,7 +53,7 @@ REGRESSIONS = [
     {"mode": "extract-hf", "sink": "local", "dp": 2, "follow": True, "retain": True, "index": 36, "seed": 49,
      "fault": {"kind": "signal", "target": "worker", "sig": "TERM", "at": 0.1835671333386726}},
     # SIGTERM to the one-pass driver as its capture engine started came back as the capture's
-    # normal end (vLLM's engine start-up swallows KeyboardInterrupt: vx.engine.liveness.start_watched):
+    # normal end (vLLM's engine start-up swallows KeyboardInterrupt: vx.engine.lifetime.liveness.start_watched):
     # the driver released the held regeneration and waited on it (no exit in 60 s). Two engines,
     # and a moment a random draw hits only sometimes: test_one_pass's first run signals at that
     # moment, its regression in CI

@@ -100,7 +100,7 @@ def test_a_merge_beside_a_part_still_written_keeps_the_bad_records_it_took(tmp_p
     0's conversations and bad records, and leaves partition 1 for its own merge; that one adds
     partition 1's without losing partition 0's: every bad record once in OUTPUT.errors.jsonl,
     however many merges ran."""
-    from vx.regenerate.output import merge_parts, part_path, sidecar
+    from vx.store.text_output import merge_parts, part_path, sidecar
     from vx.store.lock import try_lock
 
     out = tmp_path / "r.jsonl"

@@ -103,7 +103,7 @@ def test_a_killed_driver_or_engine_and_sigterm_to_the_group_then_a_rerun_give_ev
     reapers, killed_at = [], []
 
     def kill_all(_engine: int) -> None:  # `pkill -9 -f vx`: the reaper (a session of its own) dies too
-        reapers.extend(r for r in procfs.children(p.pid) if b"vx.engine.reaper" in procfs.cmdline(r))
+        reapers.extend(r for r in procfs.children(p.pid) if b"vx.engine.lifetime.reaper" in procfs.cmdline(r))
         for pid in reapers + [p.pid]:
             os.kill(pid, signal.SIGKILL)
         killed_at.append(time.monotonic())
@@ -161,7 +161,7 @@ def test_a_failed_fsync_of_a_chunk_never_writes_that_chunk_twice(tmp_path, monke
     a second writer continues: every conversation once."""
     import errno
 
-    from vx.regenerate.output import RegenOutput, committed_ids
+    from vx.store.text_output import RegenOutput, committed_ids
 
     path = tmp_path / "r.jsonl"
     out = RegenOutput(path)
@@ -198,7 +198,7 @@ def test_a_partition_starting_while_another_merges_waits_for_the_merge_and_a_sec
     import threading
 
     from vx.errors import UsageError
-    from vx.regenerate.output import RegenOutput, part_path, sidecar
+    from vx.store.text_output import RegenOutput, part_path, sidecar
     from vx.store.lock import try_lock
 
     merged = tmp_path / "r.jsonl"

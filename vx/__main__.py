@@ -7,7 +7,7 @@ vx.errors.run_guarded takes the signals over before any work."""
 import os
 import signal
 
-from vx.engine.fast_exit import in_spawned_child
+from vx.engine.lifetime.fast_exit import in_spawned_child
 
 in_spawned_child()  # a process vLLM spawned from this command imports this module first: its quick exit
 

@@ -50,12 +50,12 @@ POINTS = {
     "after-retain-delete": "a consumed shard deleted",
     # --data-parallel-size (vx/launch/plan.py)
     "before-plan-publish": "the partition plan (or its token weights) written, not renamed into place",
-    # compute (vx/jobs/extract.py, vx/engine/, vx/regenerate/engine.py)
+    # compute (vx/jobs/extract.py, vx/engine/, vx/engine/generator.py)
     "after-batch": "an HF batch computed and handed to the writer",
     "after-step": "an engine step's outputs taken by the driver",
     "engine-step": "the engine core's n-th step (warm-up included)",
     "engine-sample": "a sample whose kept rows the scheduled step completes, in the engine core",
-    # vx regenerate and the one-pass mode (vx/regenerate/output.py)
+    # vx regenerate and the one-pass mode (vx/store/text_output.py)
     "after-chunk": "a chunk of regenerated conversations committed",
     "before-chunk-fsync": "regenerated conversations written, not fsynced",
     "before-committed-mark": "regenerated conversations fsynced, their committed size not recorded",

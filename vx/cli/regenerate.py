@@ -68,7 +68,7 @@ def regenerate(
     """
     from vx.jobs import regenerate as job
     from vx.launch.launcher import launch
-    from vx.regenerate.config import RegenConfig
+    from vx.jobs.config import RegenConfig
 
     cfg = RegenConfig(data=data, output=output, model=model, chat_template=chat_template,
                       chat_template_kwargs=chat_template_kwargs, messages_field=messages_field, id_field=id_field,

@@ -1,4 +1,4 @@
-"""`vx inspect OUT --watch` and `--plot`: the display of vx/jobs/watch.py and vx/jobs/plot.py."""
+"""`vx inspect OUT --watch` and `--plot`: the display of vx/monitor/watch.py and vx/monitor/plot.py."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def lines(poll) -> list[str]:
 
 
 def run_watch(output: str, endpoint_url, watch: bool, interval: float, stall_after: float, plot, json_out: bool):
-    from vx.jobs.watch import Watch
+    from vx.monitor.watch import Watch
 
     w = Watch(output, endpoint_url, stall_after)
     if watch:
@@ -55,7 +55,7 @@ def run_watch(output: str, endpoint_url, watch: bool, interval: float, stall_aft
             if not json_out and sys.stdout.isatty():
                 live.stop()
     if plot:
-        from vx.jobs.plot import plot as draw
+        from vx.monitor.plot import plot as draw
         from vx.store.progress_log import read_progress
 
         drawn = draw(read_progress(output, src=w.src, history=True)["history"], plot, f"vx: {output}")

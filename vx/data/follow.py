@@ -2,7 +2,7 @@
 
 `vx extract --regenerate` captures each conversation the moment the regeneration beside it has
 committed it: rows come from OUTPUT up to its durable size (OUTPUT.committed, written after each
-fsync, vx/regenerate/output.py), so nothing captured can vanish with an unsynced chunk. The
+fsync, vx/store/text_output.py), so nothing captured can vanish with an unsynced chunk. The
 input ends once the writer says it is done and every committed row was read.
 """
 

@@ -3,7 +3,7 @@ regenerate` and `vx extract --regenerate` (both configs are a Generation), with 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from vx.errors import UsageError
 
@@ -43,3 +43,14 @@ def check_generation(cfg) -> None:
 
 def generation_json(cfg) -> dict:
     return {k: getattr(cfg, k) for k in FIELDS}
+
+
+@dataclass
+class Conversation:
+    """One conversation as `vx regenerate` plans it: the assistant turns still to (re)generate."""
+    id: str
+    record: dict
+    messages: list[dict]
+    todo: list[int]                        # indexes of the assistant turns still to (re)generate
+    turns: list[dict] = field(default_factory=list)
+    truncated: bool = False

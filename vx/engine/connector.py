@@ -33,7 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from vx.engine import fast_exit
+from vx.engine.lifetime import fast_exit
 from vx.engine.capture import Finished
 
 if TYPE_CHECKING:

@@ -23,8 +23,8 @@ from vx.data.samples import PENDING, Sample
 from vx.engine.capture import capture_budget
 from vx.engine.contract import check_vllm_contract
 from vx.engine.defaults import check_tensor_parallel_pages
-from vx.engine.liveness import start_watched
-from vx.engine.logs import engine_output, vllm_log_path, without_tokenizer
+from vx.engine.lifetime.liveness import start_watched
+from vx.engine.lifetime.logs import engine_output, vllm_log_path, without_tokenizer
 from vx.engine.plan_start import plan_capture_engine
 from vx.engine.vllm_engine import (
     engine_kwargs,
@@ -48,7 +48,7 @@ class VllmExtractor:
 
     def __init__(self, model_dir: Path, layer_ids: list[int], log_file: Path | None = None, verbose: bool = False,
                  warm: bool = True, sample_lengths=None, **options):
-        """log_file: where vLLM's log and its processes' output go (vx/engine/logs.py); None = stderr.
+        """log_file: where vLLM's log and its processes' output go (vx/engine/lifetime/logs.py); None = stderr.
         sample_lengths: the token counts of the samples the run will submit, in order (the step
         budget is chosen from them; None: unknown)."""
         if list(layer_ids) != sorted(set(layer_ids)):
@@ -67,7 +67,7 @@ class VllmExtractor:
 
     def _start(self, model_dir: Path, layer_ids: list[int], lengths, options: dict) -> None:
         from vx.device import engine_env
-        from vx.engine.reaper import Reaper
+        from vx.engine.lifetime.reaper import Reaper
 
         on_cpu = engine_env(options.get("tensor_parallel_size", 1))
         kwargs = engine_kwargs(model_dir, layer_ids, on_cpu=on_cpu, **options)

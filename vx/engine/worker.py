@@ -28,7 +28,7 @@ class VxWorkerExtension:
         backpressure stage."""
         from vx.engine.sink import CaptureSink
         from vx.engine.connector import worker_connector
-        from vx.engine.reaper import commit_guard
+        from vx.engine.lifetime.reaper import commit_guard
         from vx.store.writer import ShardWriter
 
         conn = worker_connector()
@@ -43,12 +43,12 @@ class VxWorkerExtension:
                                 writer_hold_s=writer_hold_s, copy_bytes=copy_bytes)
 
     def vx_watch_driver(self) -> bool:
-        """Once the engine has started: this process ends if the driver dies (vx/engine/reaper.py),
-        and quickly when it is stopped (vx/engine/fast_exit.py: a capture engine's connector
+        """Once the engine has started: this process ends if the driver dies (vx/engine/lifetime/reaper.py),
+        and quickly when it is stopped (vx/engine/lifetime/fast_exit.py: a capture engine's connector
         installs that too; a regeneration engine's worker has only this extension, and its final
         garbage collection outlasted vLLM's 5 s shutdown grace beside a running capture)."""
-        from vx.engine import fast_exit
-        from vx.engine.reaper import watch_driver
+        from vx.engine.lifetime import fast_exit
+        from vx.engine.lifetime.reaper import watch_driver
 
         fast_exit.install()
         return watch_driver()

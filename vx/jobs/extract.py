@@ -24,7 +24,7 @@ from vx.data.samples import BadLine, Sample, Tokenize, read_samples
 from vx.errors import UsageError, VxError, raise_if_stopped
 from vx.jobs.config import ExtractConfig
 from vx.jobs.summary import Summary, combine
-from vx.jobs.monitoring import watch_writer
+from vx.monitor.publish import watch_writer
 from vx.monitor.flops import mfu_terms
 from vx.monitor.progress import RunProgress
 from vx.store.format import ERRORS, RETAIN
@@ -46,7 +46,7 @@ def config(d: dict) -> ExtractConfig:
 def prepare(cfg: ExtractConfig):
     """Once, before any partition's worker: the job (model, layers), the dataset under --strict,
     the root output (identity, --overwrite, S3 preflight) and the partition plan."""
-    from vx.engine.logs import LOG_DIR
+    from vx.engine.lifetime.logs import LOG_DIR
     from vx.launch.job import Prepared
 
     job = prepare_job(cfg)
@@ -86,7 +86,7 @@ def worker_config(prep, index: int, plan_file: str | None, cpu_share: float | No
 
 def watch(bar, prep, engines: int):
     """The launcher's live figures: MFU over its engines, device memory, the workers' sums; --metrics-port."""
-    from vx.jobs.monitoring import watch_launcher
+    from vx.monitor.publish import watch_launcher
 
     job, cfg = prep.extra["job"], prep.cfg
     prep.extra["terms"] = mfu_terms(job.model_dir, job.layer_ids, engines, cfg.tensor_parallel_size)
@@ -321,7 +321,8 @@ def _enter_partition(cfg: ExtractConfig, job: Job, root: Output, whole_source: b
     to the partition's own directory and S3 prefix, that partition's Output, and its rows (None:
     every row; whole_source: the input is already this partition's, a one-pass worker's
     regeneration, and no plan is read)."""
-    from vx.launch.plan import lines_of, load_or_make_plan, part_name
+    from vx.launch.plan import lines_of, load_or_make_plan
+    from vx.store.format import part_name
 
     root.join(job.meta)
     name = part_name(cfg.partition_index, cfg.num_partitions)

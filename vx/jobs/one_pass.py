@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -46,7 +45,7 @@ from vx.errors import UsageError, raise_if_stopped
 from vx.jobs import extract
 from vx.jobs.regenerated_text import merge_when_complete, text_in_s3
 from vx.jobs.regeneration import LATER, Regeneration, cpu_layout, pin_env, reversed_binding
-from vx.regenerate.output import looks_finished, merge_leftover_parts
+from vx.store.text_output import looks_finished, merge_leftover_parts
 from vx.store.format import GENERATION, REGENERATED
 
 NAME, LABEL = "one-pass", "extract"
@@ -73,7 +72,7 @@ def regen_config(cfg) -> dict:
 
 def regenerated_path(cfg) -> Path:
     """The JSONL this process's regeneration writes and its capture follows."""
-    from vx.regenerate.output import part_path
+    from vx.store.text_output import part_path
 
     out = Path(cfg.output) / REGENERATED
     return part_path(out, cfg.partition_index, cfg.num_partitions) if cfg.partitioned else out
@@ -121,7 +120,7 @@ def check_rerun(cfg, out: Path) -> None:
     if cfg.overwrite:
         import shutil
 
-        from vx.regenerate.output import parts_dir
+        from vx.store.text_output import parts_dir
 
         for name in (REGENERATED, REGENERATED + ".committed", REGENERATED + ".errors.jsonl", GENERATION):
             (out / name).unlink(missing_ok=True)
@@ -251,7 +250,7 @@ def prepare(cfg):
     """Once, before the workers: extraction's (identity, plan), then the generation options checked
     (OUT/regenerate.json), with -o s3:// the text of what S3 holds states of restored and its
     segments compacted, and both engines' max_model_len. The workers get the config it returns."""
-    from vx.regenerate.output import parts_dir
+    from vx.store.text_output import parts_dir
 
     prep = extract.prepare(cfg)
     cfg, out = prep.cfg, Path(prep.cfg.output)
@@ -271,8 +270,8 @@ def finish(prep, results: dict, t0: float):
     moved to OUT/logs, and the regenerations' sums in the Summary."""
     import shutil
 
-    from vx.engine.logs import LOG_DIR
-    from vx.regenerate.output import merge_parts, parts_dir
+    from vx.engine.lifetime.logs import LOG_DIR
+    from vx.store.text_output import merge_parts, parts_dir
 
     s = extract.finish(prep, results, t0)
     cfg = prep.cfg

@@ -40,7 +40,7 @@ from vx.data.follow import committed_bytes
 from vx.errors import UsageError
 from vx.store.format import GENERATION, REGENERATED, TEXT_ERRORS, TEXT_SEGMENTS
 from vx.store.lock import write_atomically
-from vx.regenerate.output import mark_committed, truncate_torn
+from vx.store.text_output import mark_committed, truncate_torn
 
 
 def _id(line: bytes) -> str:
@@ -194,8 +194,8 @@ class RegeneratedText:
 
 @contextlib.contextmanager
 def _locked(path: Path):
-    """path's writer lock (OUTPUT.lock, vx/regenerate/output.py), waited for."""
-    from vx.regenerate.output import take_lock
+    """path's writer lock (OUTPUT.lock, vx/store/text_output.py), waited for."""
+    from vx.store.text_output import take_lock
 
     lock = take_lock(path, "vx process")
     try:
@@ -217,7 +217,7 @@ def merge_when_complete(cfg) -> dict:
     """A --partition-index run: once every partition's capture has ended (its end mark, here or in
     S3), OUT/regenerated.jsonl from the parts (local) or from S3's text (each partition's node
     kept its own part). Returns where the text is, and whether this run merged it."""
-    from vx.launch.plan import part_name
+    from vx.store.format import part_name
     from vx.store.output import Output
 
     root = Output.of(cfg)
@@ -227,7 +227,7 @@ def merge_when_complete(cfg) -> dict:
     if cfg.upload:
         n = text_in_s3(cfg, out).merge_from_s3()
         return {"merged": True, "output": f"{cfg.upload.rstrip('/')}/{REGENERATED}", "conversations_in_output": n}
-    from vx.regenerate.output import merge_parts
+    from vx.store.text_output import merge_parts
 
     try:
         merged = merge_parts(out, cfg.num_partitions)

@@ -21,7 +21,7 @@ import threading
 from pathlib import Path
 
 from vx.device import cuda_available
-from vx.engine.fast_exit import in_spawned_child
+from vx.engine.lifetime.fast_exit import in_spawned_child
 from vx.errors import VxError
 
 in_spawned_child()  # the regeneration's engine core and worker import this module first: their quick exit
@@ -178,10 +178,10 @@ def reversed_binding(tensor_parallel_size: int) -> dict[str, str]:
     (GOMP_CPU_AFFINITY for the libgomp it preloads) and sorts any list it is given, so two engines
     starting together import, load and profile on one core while the other idles (bench/one_pass.py
     timelines: ~5 core-s in 5 s). vLLM's "nobind" leaves the binding to GOMP_CPU_AFFINITY, which
-    vx/regenerate/engine.py sets for its engine's start only (ENGINE_GOMP): the worker's main thread
+    vx/engine/generator.py sets for its engine's start only (ENGINE_GOMP): the worker's main thread
     on the last core, its generation on every core. Left alone: a binding the user chose, and
     tensor parallelism (vx/device.py splits the cores)."""
-    from vx.regenerate.engine import ENGINE_GOMP
+    from vx.engine.generator import ENGINE_GOMP
 
     if tensor_parallel_size > 1 or os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto":
         return {}
@@ -199,13 +199,13 @@ def main(argv: list[str]) -> int:
     """The regeneration's process: `python -m vx.jobs.regeneration REGEN_CONFIG_JSON`, run as a
     partition worker runs (dies with its launcher, keeps to its cores, JSON events on stdout)."""
     from vx.launch.workers import run_partition_worker
-    from vx.regenerate.config import RegenConfig
-    from vx.regenerate.run import run_regenerate
+    from vx.jobs.config import RegenConfig
+    from vx.jobs.regenerate import run_regenerate
 
     def run(d: dict, events):
         hold, keep = d.pop("hold", False), d.pop("keep", False)
         if LATER in d.values():  # import the engine's modules while the driver plans, then ask
-            from vx.regenerate.engine import preload
+            from vx.engine.generator import preload
 
             preload(d["tensor_parallel_size"], Path(d["output"]))
             line = sys.stdin.readline()

@@ -41,7 +41,7 @@ def _on_node(job, cfg, progress):
     """Every partition on this node's engine slots (GPU groups; on CPU each its share of the
     cores), a freed slot taking the next partition; a failed partition reported once the others
     are done (or, where the job says so, the others stopped with it)."""
-    from vx.launch.plan import part_name
+    from vx.store.format import part_name
 
     t0 = time.perf_counter()
     slots = worker_slots(cfg)

@@ -34,10 +34,6 @@ PLAN_VERSION = 2  # 2: rows of any input format, reading options in the key
 _PARALLEL_MIN_BYTES = 4 << 20  # below this, one process is faster than starting a pool
 
 
-def part_name(index: int, count: int) -> str:
-    return f"part-{index:05d}-of-{count:05d}"
-
-
 def assign(weights: list[int], count: int) -> list[int]:
     """Greedy least-loaded assignment in order; returns the partition of each weight."""
     heap = [(0, p) for p in range(count)]

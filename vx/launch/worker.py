@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from vx.engine.fast_exit import in_spawned_child
+from vx.engine.lifetime.fast_exit import in_spawned_child
 
 in_spawned_child()  # the worker's engine core and workers import this module first: their quick exit
 

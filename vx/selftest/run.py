@@ -259,9 +259,9 @@ def _share(zero_copy: int, copied: int) -> str:
 def _run_bare(model_dir, samples, work: Path, common: dict) -> float:
     """Bare vLLM prefill (no capture) of the same samples with the same engine settings."""
     from vx.device import engine_env
-    from vx.engine.logs import engine_output, without_tokenizer
-    from vx.engine.liveness import start_watched
-    from vx.engine.reaper import Reaper
+    from vx.engine.lifetime.logs import engine_output, without_tokenizer
+    from vx.engine.lifetime.liveness import start_watched
+    from vx.engine.lifetime.reaper import Reaper
     from vx.engine.vllm_engine import (
         engine_kwargs,
         prompt_ids,

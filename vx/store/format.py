@@ -129,6 +129,10 @@ def _buffers(head: bytes, tensors: dict[str, list[torch.Tensor]]):
 PART_RE = re.compile(r"^part-\d{5}-of-\d{5}$")
 
 
+def part_name(index: int, count: int) -> str:
+    return f"part-{index:05d}-of-{count:05d}"
+
+
 def part_dirs(root: Path) -> list[Path]:
     """Partition outputs under root (any partition count, e.g. an 8-way run resumed 4-way), sorted."""
     root = Path(root)

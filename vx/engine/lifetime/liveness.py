@@ -38,7 +38,7 @@ import threading
 import time
 from pathlib import Path
 
-from vx.engine.reaper import _stat, descendants
+from vx.engine.lifetime.reaper import _stat, descendants
 from vx.errors import EngineDied, exit_interrupted, exit_now, startup_over, stop_requested
 
 WAKE = signal.SIGUSR2   # unused by vLLM, torch and Python's runtime
@@ -263,7 +263,7 @@ class EngineWatch:
             for pid in [*descendants(core), core]:
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
-        from vx.engine.logs import stderr_to_terminal
+        from vx.engine.lifetime.logs import stderr_to_terminal
 
         stderr_to_terminal()
         exit_interrupted()

@@ -17,6 +17,7 @@ from pathlib import Path
 from vx import faults
 from vx.errors import UsageError
 from vx.data.follow import COMMITTED
+from vx.store.format import part_name
 from vx.store.lock import try_lock, write_atomically
 
 
@@ -25,8 +26,6 @@ def parts_dir(output: Path) -> Path:
 
 
 def part_path(output: Path, index: int, count: int) -> Path:
-    from vx.launch.plan import part_name
-
     return parts_dir(output) / f"{part_name(index, count)}.jsonl"
 
 

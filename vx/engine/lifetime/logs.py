@@ -53,7 +53,7 @@ _terminal: int | None = None  # the driver's own stderr while an engine starts (
 
 def stderr_to_terminal() -> None:
     """Point fd 2 back at the driver's own stderr, if an engine's start has it on the log now: for
-    the one line of a driver that leaves during the start (vx/engine/liveness.py)."""
+    the one line of a driver that leaves during the start (vx/engine/lifetime/liveness.py)."""
     if _terminal is not None:
         sys.stderr.flush()
         os.dup2(_terminal, 2)
@@ -78,13 +78,13 @@ def _split_driver_log(log_file: Path) -> None:
 
 def _said_by_vx(record: logging.LogRecord) -> bool:
     """The terminal skips vLLM's notice that its engine core exited: vx's own line says which
-    process died, how, and what to do (vx/engine/liveness.py); the log file keeps it."""
+    process died, how, and what to do (vx/engine/lifetime/liveness.py); the log file keeps it."""
     return "engine core exited unexpectedly" not in record.getMessage()
 
 
 def without_tokenizer() -> None:
     """vx's engines have no tokenizer (they take token ids; vx/engine/vllm_engine.py,
-    vx/regenerate/engine.py), and vLLM's LLM still warms a chat template up at its start (0.32
+    vx/engine/generator.py), and vLLM's LLM still warms a chat template up at its start (0.32
     and 0.33): that warning and its traceback say nothing about vx's engines, and stay out of the log."""
     logger = logging.getLogger("vllm.renderers.base")
     if _no_text_warmup not in logger.filters:

@@ -44,7 +44,7 @@ class Watch:
         self._bad: dict[str, int] = {}
 
     def poll(self) -> Poll:
-        from vx.launch.plan import part_name
+        from vx.store.format import part_name
 
         pub = read_progress(self.path, src=self.src)
         n = pub["partitions"]

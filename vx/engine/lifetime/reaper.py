@@ -8,7 +8,7 @@ before the engine in a session of its own, records the driver's descendants ever
 soon as the driver is gone without saying goodbye, SIGKILLs every one it saw (pid and start time
 matched, so a reused pid is never hit). vLLM's own workers die with the engine core anyway.
 
-    python -m vx.engine.reaper DRIVER_PID      # stdin: "ok" from the driver on a normal close
+    python -m vx.engine.lifetime.reaper DRIVER_PID      # stdin: "ok" from the driver on a normal close
 
 The driver is checked every 0.1 s; its process tree is scanned every tick for the first 30 s (the
 engine starts its processes then) and every 2 s afterwards (cheap on the CPU the engine uses).
@@ -178,7 +178,7 @@ class Reaper:
     @classmethod
     def start(cls) -> Reaper:
         mark_driver()
-        proc = subprocess.Popen([sys.executable, "-m", "vx.engine.reaper", str(os.getpid())], stdin=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-m", "vx.engine.lifetime.reaper", str(os.getpid())], stdin=subprocess.PIPE,
                                 start_new_session=True, close_fds=True)
         return cls(proc)
 

@@ -3,7 +3,7 @@
 Conversations are read ahead up to 4x the engine's max_num_seqs; each turn goes in as token ids
 rendered by vx's chat template; when turn k of a conversation finishes, turn k+1 is submitted
 on the regenerated history (prefix caching on, so it shares the KV of everything before it);
-a finished conversation is handed to the output. The engine dies with the driver (vx/engine/reaper.py).
+a finished conversation is handed to the output. The engine dies with the driver (vx/engine/lifetime/reaper.py).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 from vx import faults
 from vx.data.chat import tools_of
 from vx.errors import raise_if_stopped
-from vx.regenerate.config import Conversation
-from vx.regenerate.output import sidecar
+from vx.data.generation import Conversation
+from vx.store.text_output import sidecar
 
 
 def split_reasoning(text: str, separate: bool) -> dict:
@@ -71,7 +71,7 @@ def preload(tensor_parallel_size: int, output: Path) -> None:
     """vLLM's modules imported ahead of start_engine (their notices to its log), for a process
     that has time to spare before it knows the engine's settings."""
     from vx.device import engine_env
-    from vx.engine.logs import engine_output
+    from vx.engine.lifetime.logs import engine_output
 
     with engine_output(sidecar(output, ".vllm.log")):
         engine_env(tensor_parallel_size)
@@ -86,7 +86,7 @@ def start_engine(cfg, model_dir: Path, log: Path):
     from vx.device import engine_env
     from vx.data.model import model_info
     from vx.engine.defaults import memory_kwargs
-    from vx.engine.logs import engine_output, without_tokenizer
+    from vx.engine.lifetime.logs import engine_output, without_tokenizer
     from vx.engine.vllm_engine import EXTENSION
 
     without_tokenizer()
@@ -121,12 +121,12 @@ def generate(cfg, model_dir, tokenizer, chat, separate, first, convs, out, bar, 
     """Every conversation in flight in one engine; returns generate_s (first request to last commit).
     ready(): called once the engine has started, before the first request; before_stop(): once
     every conversation is committed, before the engine stops (not after a failure)."""
-    from vx.engine.liveness import start_watched
-    from vx.engine.reaper import Reaper
+    from vx.engine.lifetime.liveness import start_watched
+    from vx.engine.lifetime.reaper import Reaper
     from vx.engine.vllm_engine import stop_engine, tokens_input
 
     reaper = Reaper.start()  # the engine dies with this process, SIGKILL included
-    try:  # and this process with its engine: no call waits on a dead one (vx/engine/liveness.py)
+    try:  # and this process with its engine: no call waits on a dead one (vx/engine/lifetime/liveness.py)
         llm, watch = start_watched(lambda: start_engine(cfg, model_dir, sidecar(out.path, ".vllm.log")),
                                    kept="committed conversations are kept, rerun the same command to continue")
     except BaseException:

@@ -1,1 +1,0 @@
-"""`vx regenerate`: the target writes the assistant turns (config, engine loop, output, partitions)."""
