@@ -2,8 +2,8 @@
 
     python bench/codec.py [--mb 64] [--block-kib 1024] [--samples 64]
 
-Each codec codes ~1 MiB blocks of rows independently (what keeps a sample's byte range readable),
-on one thread; speeds are GB/s of the uncoded bytes, best of --reps passes; every block is decoded
+Each of vx's codecs (vx/store/codec.py, as `vx inspect --codecs` runs them) codes ~1 MiB blocks of
+rows independently (what keeps a sample's byte range readable), on one thread; speeds are GB/s of the uncoded bytes, best of --reps passes; every block is decoded
 and compared with its input byte for byte (a codec that is not lossless fails the run).
 
 Data, each in bf16 and in fp8 e4m3 with one scale per token and layer (vx's fp8 storage):
@@ -86,30 +86,6 @@ def fp8_bytes(x) -> np.ndarray:
     return (t / scale).to(torch.float8_e4m3fn).view(torch.uint8).numpy().reshape(-1)
 
 
-def codecs(itemsize: int) -> dict:
-    """name -> (encode(bytes) -> coded, decode(coded, n) -> bytes), all single-threaded: vx's own
-    (vx/store/codec.py: zstd-1, what --compress blocks uses, zipnn and blosc2 where installed),
-    then the variants only this bench tries."""
-    import blosc2
-    import zstandard
-
-    blosc2.set_nthreads(1)
-    out = vx_codec.codecs(itemsize)
-    c, d = zstandard.ZstdCompressor(level=3), zstandard.ZstdDecompressor()
-    out["zstd-3"] = (c.compress, lambda b, n: d.decompress(b, max_output_size=n))
-    for name, filt, codec, level in (("shuffle+lz4", blosc2.Filter.SHUFFLE, blosc2.Codec.LZ4, 5),
-                                     ("shuffle+zstd-3", blosc2.Filter.SHUFFLE, blosc2.Codec.ZSTD, 3),
-                                     ("bytedelta+zstd-1", blosc2.Filter.BYTEDELTA, blosc2.Codec.ZSTD, 1)):
-        if itemsize == 2:
-            params = {"typesize": itemsize, "clevel": level, "codec": codec, "nthreads": 1,
-                      "filters": [blosc2.Filter.SHUFFLE] + ([filt] if filt == blosc2.Filter.BYTEDELTA else []),
-                      "filters_meta": [0, 0] if filt == blosc2.Filter.BYTEDELTA else [0]}
-            out["blosc2 " + name] = (lambda b, p=params: blosc2.compress2(b, **p), lambda b, n: blosc2.decompress2(b))
-    if itemsize == 2:
-        out["exp-plane+zstd-1"] = exp_plane_codec(1)
-    return out
-
-
 def threaded_encode(data: np.ndarray, block: int, threads: int, reps: int) -> float:
     """GB/s of vx's block codec coding every block on `threads` threads, as the shard writer does."""
     from concurrent.futures import ThreadPoolExecutor
@@ -123,29 +99,6 @@ def threaded_encode(data: np.ndarray, block: int, threads: int, reps: int) -> fl
             list(pool.map(ours.encode, blocks))
             best = min(best, time.perf_counter() - t)
     return data.size / best / 1e9
-
-
-def exp_plane_codec(level: int):
-    """bf16 split into its 8 exponent bits (entropy-coded by zstd) and sign + 7 mantissa bits
-    (stored raw: ~8 bits of entropy in 8). numpy for the split."""
-    import zstandard
-
-    c, d = zstandard.ZstdCompressor(level=level), zstandard.ZstdDecompressor()
-
-    def enc(b: bytes) -> bytes:
-        u = np.frombuffer(b, dtype=np.uint16)
-        exp = (u >> 7).astype(np.uint8)  # the sign drops out of the uint8 cast's low 8 bits
-        rest = ((u >> 8) & 0x80 | (u & 0x7F)).astype(np.uint8)
-        ce = c.compress(exp.tobytes())
-        return len(ce).to_bytes(8, "little") + ce + rest.tobytes()
-
-    def dec(b: bytes, n: int) -> bytes:
-        k = int.from_bytes(b[:8], "little")
-        exp = np.frombuffer(d.decompress(b[8:8 + k], max_output_size=n // 2), dtype=np.uint8).astype(np.uint16)
-        rest = np.frombuffer(b, dtype=np.uint8, offset=8 + k).astype(np.uint16)
-        return ((rest & 0x80) << 8 | exp << 7 | rest & 0x7F).astype(np.uint16).tobytes()
-
-    return enc, dec
 
 
 def _ticks(seconds: float) -> int:
@@ -179,21 +132,17 @@ def gil_share(data: np.ndarray, block: int, enc, seconds: float = 2.0) -> float:
     return beside / alone
 
 
-def measure(data: np.ndarray, block: int, enc, dec, reps: int) -> dict:
-    blocks = [data[i:i + block].tobytes() for i in range(0, data.size, block)]
-    coded, best_e, best_d = None, float("inf"), float("inf")
+def measure(data: np.ndarray, block: int, reps: int, itemsize: int) -> dict:
+    """vx's own codecs (vx/store/codec.py, what `vx inspect --codecs` runs), best of reps; a codec
+    that is not lossless fails the run."""
+    blocks, best = [data[i:i + block].tobytes() for i in range(0, data.size, block)], {}
     for _ in range(reps):
-        t = time.perf_counter()
-        coded = [enc(b) for b in blocks]
-        best_e = min(best_e, time.perf_counter() - t)
-        coded = [vx_codec.joined(c) for c in coded]  # as a reader gets them: one range of the file
-        t = time.perf_counter()
-        back = [dec(c, len(b)) for c, b in zip(coded, blocks)]
-        best_d = min(best_d, time.perf_counter() - t)
-        if any(bytes(memoryview(x).cast("B")) != b for x, b in zip(back, blocks)):
-            raise SystemExit("a codec is not lossless")
-    n = sum(map(len, blocks))
-    return {"ratio": n / sum(map(len, coded)), "encode_gb_s": n / best_e / 1e9, "decode_gb_s": n / best_d / 1e9}
+        for r in vx_codec.measure(blocks, itemsize):
+            if not r["lossless"]:
+                raise SystemExit(f"{r['codec']} is not lossless")
+            b = best.setdefault(r.pop("codec"), r)
+            b.update(encode_gb_s=max(b["encode_gb_s"], r["encode_gb_s"]), decode_gb_s=max(b["decode_gb_s"], r["decode_gb_s"]))
+    return best
 
 
 def main(argv=None):
@@ -212,10 +161,10 @@ def main(argv=None):
     table = {}
     for name, x in sets.items():
         for dtype, data in (("bf16", bf16_bytes(x)), ("fp8", fp8_bytes(x))):
-            for codec, (enc, dec) in codecs(2 if dtype == "bf16" else 1).items():
-                r = measure(data, block, enc, dec, args.reps)
+            itemsize = 2 if dtype == "bf16" else 1
+            for codec, r in measure(data, block, args.reps, itemsize).items():
                 if dtype == "bf16" and name == "outliers":
-                    r["gil_share"] = gil_share(data, block, enc)
+                    r["gil_share"] = gil_share(data, block, vx_codec.codecs(itemsize)[codec][0])
                 if codec == "planes":
                     r["encode_gb_s_2_threads"] = threaded_encode(data, block, 2, args.reps)
                 table[f"{name}/{dtype}/{codec}"] = dict(r, mb=data.size / 1e6)

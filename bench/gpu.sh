@@ -3,9 +3,7 @@
 #  1. vx selftest on a random Qwen3.6-27B-shaped model (its config with 4 layers, real hidden size
 #     and vocabulary; compiled, CUDA graphs): vLLM contract, capture of every sample vs the fp32 HF
 #     reference, bare vLLM prefill vs vx -> $OUT/selftest.txt, $OUT/selftest.json   (< 5 min)
-#  2. with the time left, vLLM installed: vx-vllm vs vllm-bare vs vllm-builtin on the 64-layer
-#     shape (load_format=dummy), bench/gpu_vllm.py -> $OUT/gpu-vllm-bench.json
-#  3. with the time left: hf-naive vs vx hf-hooks, bench/gpu.py -> $OUT/gpu-bench.json
+#  2. with the time left: hf-naive vs vx hf-hooks, bench/gpu.py -> $OUT/gpu-bench.json
 #  (between 1 and 2, speculators installed: docs/speculators.md's recipe on the embedded default,
 #   extract -> export -> speculators train, 10 steps -> $OUT/speculators-train.txt)
 # Writes to bench/results/tmp/ when $OUT is unset. Exit status: the selftest's.
@@ -48,9 +46,6 @@ if "$PY" -c "import speculators" 2>/dev/null && [ "$(left)" -gt 240 ] && [ "${VX
       --save-path '$S/ckpt' --epochs 1 --max-steps 10 --total-seq-len 1024 --log-freq 1" > "$OUT/speculators-train.txt" 2>&1
   echo "speculators recipe: exit $?" | tee -a "$OUT/speculators-train.txt" >&2
   rm -rf "$S"
-fi
-if "$PY" -c "import vllm" 2>/dev/null && [ "$(left)" -gt 120 ]; then
-  VX_BENCH_DEADLINE_S=$(( $(left) - 60 )) timeout "$(left)" "$PY" bench/gpu_vllm.py
 fi
 if [ "$(left)" -gt 90 ]; then
   VX_BENCH_DEADLINE_S=$(( $(left) - 45 )) timeout "$(left)" "$PY" bench/gpu.py

@@ -96,19 +96,17 @@ def main() -> None:
         run = run_vx if args.contender == "vx" else run_plain
         print(json.dumps(run(read_rows(args.prompts), args.max_tokens)))
         return
-    runs: dict[str, list[dict]] = {"vx": [], "plain": []}
-    for rep in range(args.reps):
-        for c in (("vx", "plain") if rep % 2 == 0 else ("plain", "vx")):
-            runs[c].append(one(c, args.prompts, args.max_tokens))
+    sys.path.insert(0, str(ROOT / "bench"))
+    from common import interleaved, write_result
+
+    runs = interleaved(args.reps, {c: (lambda c=c: one(c, args.prompts, args.max_tokens)) for c in ("vx", "plain")},
+                       alternate=True)
     med = {c: statistics.median(r["tokens_per_s"] for r in rs) for c, rs in runs.items()}
     result = {"prompts": args.prompts, "max_tokens": args.max_tokens, "reps": args.reps,
               "vx": {"tokens_per_s_median": med["vx"], "runs": runs["vx"]},
               "plain": {"tokens_per_s_median": med["plain"], "runs": runs["plain"]},
               "ratio": round(med["vx"] / med["plain"], 3)}
     print(json.dumps(result, indent=2))
-    sys.path.insert(0, str(ROOT / "bench"))
-    from common import write_result
-
     print(f"wrote {write_result('regenerate', result)}", file=sys.stderr)
 
 

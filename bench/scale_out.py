@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import REAL_CHAT, ROOT, write_result
+from common import REAL_CHAT, ROOT, interleaved, write_result
 
 
 def run(data: Path, out: Path, dp: int, max_length: int) -> dict:
@@ -50,11 +50,10 @@ def main(argv=None):
     tmp = Path(tempfile.mkdtemp(prefix="vx-scale-"))
     data = tmp / "data.jsonl"
     data.write_text("".join(REAL_CHAT.read_text().splitlines(keepends=True)[: args.samples]))
-    singles, parallels = [], []
     try:
-        for _ in range(args.reps):
-            singles.append(run(data, tmp / "single", 1, args.max_length))
-            parallels.append(run(data, tmp / "dp", args.dp, args.max_length))
+        runs = interleaved(args.reps, {"single": lambda: run(data, tmp / "single", 1, args.max_length),
+                                       "dp": lambda: run(data, tmp / "dp", args.dp, args.max_length)})
+        singles, parallels = runs["single"], runs["dp"]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

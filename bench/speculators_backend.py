@@ -39,7 +39,7 @@ def main() -> dict:
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
     import torch
-    from common import write_result
+    from common import interleaved, write_result
     from hs_connectors import FileTransfer
     from safetensors.torch import save_file
     from speculators.train.data import ArrowDataset
@@ -67,12 +67,8 @@ def main() -> dict:
         theirs = ArrowDataset(max_len=1 << 16, datapath=str(tmp / "idx"), transfer=FileTransfer(files),
                               on_missing="raise")
         assert all(torch.equal(ours[i]["hidden_states"], theirs[i]["hidden_states"]) for i in (0, len(ours) - 1))
-        best = {"vx": None, "file": None}
-        for _ in range(args.reps):
-            for name, d in (("vx", ours), ("file", theirs)):
-                s, tokens, nbytes = epoch(d)
-                if best[name] is None or s < best[name][0]:
-                    best[name] = (s, tokens, nbytes)
+        runs = interleaved(args.reps, {"vx": lambda: epoch(ours), "file": lambda: epoch(theirs)})
+        best = {name: min(r) for name, r in runs.items()}  # (seconds, tokens, bytes) of the fastest rep
     result = {name: {"samples_per_s": round(len(ours) / s, 1), "tokens_per_s": round(t / s),
                      "gb_per_s": round(b / s / 1e9, 3)} for name, (s, t, b) in best.items()}
     result.update(samples=len(ours), tokens=best["vx"][1], reps=args.reps,

@@ -69,7 +69,7 @@ def main() -> dict:
     ap.add_argument("--hidden", type=int, default=5120)
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
-    from common import write_result
+    from common import interleaved, write_result
     from modelopt.torch.speculative.eagle.utils import OfflineSupervisedDataset
 
     import vx
@@ -111,12 +111,9 @@ def main() -> dict:
             "modelopt_vx": (mo_vx.__getitem__, lambda r: torch.cat([r["aux_hidden_states"], r["base_model_hidden_states"]], 1)),
             "modelopt_files": (mo_files.__getitem__, lambda r: torch.cat([r["aux_hidden_states"], r["base_model_hidden_states"]], 1)),
         }
-        best: dict[str, tuple[float, int]] = {}
-        for _ in range(args.reps):
-            for name, (get, key) in contenders.items():
-                s, b = timed(get, n, key, buf)
-                if name not in best or s < best[name][0]:
-                    best[name] = (s, b)
+        runs = interleaved(args.reps, {name: (lambda g=get, k=key: timed(g, n, k, buf))
+                                       for name, (get, key) in contenders.items()})
+        best = {name: min(r) for name, r in runs.items()}  # (seconds, bytes) of the fastest rep
         shards = list(out.glob("shard-*"))
         result = {name: {"samples_per_s": round(n / s, 1), "gb_per_s": round(b / s / 1e9, 3)} for name, (s, b) in best.items()}
         result.update(samples=n, hidden=args.hidden, layers=LAYERS, reps=args.reps,
