@@ -14,7 +14,8 @@ the engine under a live driver.
 captured chunk by one token (the rows of token t hold token t-1's states), the silent kind of
 wrong that `vx selftest` and `vx extract --verify` must catch.
 
-Scoping: `VX_FAULT_PARTITION=i` limits the fault to the worker of partition i; `VX_FAULT_ONCE=FILE`
+Scoping: `VX_FAULT_PARTITION=i` limits the fault to the worker of partition i, `VX_FAULT_HOST=NAME`
+to processes on the host of that name; `VX_FAULT_ONCE=FILE`
 fires it only if FILE does not exist yet (and creates it), so a retried worker runs clean;
 `VX_FAULT_TRACE=FILE` appends each point's name the first time a process passes it (the fault
 campaign's tally of what it reached). Unset in production: one string comparison per point.
@@ -25,6 +26,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import socket
 import time
 
 POINTS = {
@@ -85,6 +87,9 @@ def point(name: str) -> None:
         return
     only = os.environ.get("VX_FAULT_PARTITION")
     if only is not None and os.environ.get("VX_PARTITION") != only:
+        return
+    host = os.environ.get("VX_FAULT_HOST")
+    if host is not None and socket.gethostname() != host:
         return
     _count += 1
     if _count != _TARGET:

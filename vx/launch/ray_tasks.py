@@ -142,7 +142,11 @@ def run_tasks(configs: list[dict], plan: dict, num_gpus: int, max_retries: int, 
     import ray
 
     plan_ref = ray.put(plan)
-    sink = ray.remote(num_cpus=0)(ProgressSink).remote()
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    # on the driver's own node: a node lost mid-run takes its partitions' attempts, never the tally
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    sink = ray.remote(num_cpus=0)(ProgressSink).options(scheduling_strategy=here).remote()
     task = ray.remote(partition_task).options(num_gpus=num_gpus, num_cpus=1, max_retries=max_retries,
                                               retry_exceptions=True)
     env = forwarded_env(os.environ)
