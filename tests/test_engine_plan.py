@@ -6,8 +6,8 @@ states them (0.32 `_align_hybrid_block_size`, `get_kv_cache_groups`, `_get_kv_ca
 not read from the plan: the GDN state page (fp32 recurrent state, as the checkpoints ask through
 `mamba_ssm_dtype`, and a conv state one token longer for the extract_hidden_states method), the
 attention block aligned up to it in 16-token kernel blocks, the hidden-state block the largest
-divisor of it that fits the page, and, with patches/vllm_hidden_state_billing.py (applied by the
-setup), one layer per group: every block billed one page (vLLM alone bills the widest group's 16).
+divisor of it that fits the page, and, with vx's change hidden_state_billing (vx/engine/patches/,
+which vx's plan applies in its own process, as vx's engines do), one layer per group: every block billed one page (vLLM alone bills the widest group's 16).
 """
 
 import json
@@ -108,7 +108,7 @@ def test_27b_on_one_gpu_matches_the_figures_worked_out_from_vllms_code(tmp_path)
     plan = plan_engine(config, 5, 5120, attention_block=gpu_attention_block(config))
     assert (plan.attention_block, plan.hidden_block) == (800, 50)
     assert plan.bytes_per_block == 800 * 4096 and plan.widest_group == 1
-    assert plan.billed_bytes_per_token == 65_536 and "patches/apply.py" not in plan.line()
+    assert plan.billed_bytes_per_token == 65_536 and "not active" not in plan.line()
     assert plan.max_model_len == 3350
 
 
@@ -184,10 +184,11 @@ def test_the_one_pass_mode_splits_one_gpus_memory_between_its_engines_or_refuses
     assert f"regeneration {s.regeneration}, capture {s.capture}" in s.line
 
 
-def test_a_plan_whose_groups_are_wider_than_one_layer_names_the_billing_patch():
-    """vLLM without patches/vllm_hidden_state_billing.py groups a 27B target's layers 16 to a group and
-    bills each hidden-state block 16 pages: the plan line (the run's summary, `vx selftest --model`)
-    says so and names the command that mends it; a dense model's single group is not flagged."""
+def test_a_plan_whose_groups_are_wider_than_one_layer_names_the_inactive_billing_change():
+    """vLLM without vx's change hidden_state_billing (vx/engine/patches/) groups a 27B target's layers
+    16 to a group and bills each hidden-state block 16 pages: the plan line (the run's summary, `vx
+    selftest --model`) says so and names the change that is not active; a dense model's single
+    group is not flagged."""
     from vx.engine.plan import EnginePlan
 
     unpatched = EnginePlan(max_model_len=3350, attention_block=800, hidden_block=50, hidden_bytes_per_token=51_200,
@@ -195,7 +196,7 @@ def test_a_plan_whose_groups_are_wider_than_one_layer_names_the_billing_patch():
                            groups=[("attention", 16, 800), ("gdn", 16, 3350), ("gdn", 16, 3350), ("gdn", 16, 3350),
                                    ("hidden", 1, 50)])
     assert "widest group's 16 pages" in unpatched.line()
-    assert "python patches/apply.py vllm_hidden_state_billing" in unpatched.line()
+    assert "vx's change hidden_state_billing is not active" in unpatched.line()
     dense = EnginePlan(max_model_len=4096, attention_block=16, hidden_block=16, hidden_bytes_per_token=51_200,
                        bytes_per_block=64 * 16 * 4096, groups=[("attention", 64, 16)])
-    assert "patches/apply.py" not in dense.line()
+    assert "not active" not in dense.line()

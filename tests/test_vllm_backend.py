@@ -7,6 +7,7 @@ per-token cosine of 0.99980 against the same fp32 reference; vLLM's observed wor
 (last layer of the 1,500-token sample) and 0.02 relative max |diff|."""
 
 import json
+import os
 import random
 
 import pytest
@@ -94,7 +95,7 @@ def test_qwen3_5_hybrid_gdn_matches_hf_under_continuous_batching(qwen35_engine, 
 
 def test_a_prompt_one_token_over_the_step_alone_in_the_engine_matches_hf(qwen35_engine, tiny_model, tmp_path):
     """Its last chunk is one token, alone in its step, which vLLM's CPU GDN layers run as a decode:
-    the engine died there before patches/vllm_cpu_gdn_one_decode_indices.py (found by the fault
+    the engine died there before vx's change cpu_gdn_one_decode_indices (vx/engine/patches/) (found by the fault
     campaign's --dp 2 reruns)."""
     rng = random.Random(11)
     n = qwen35_engine.max_num_batched_tokens + 1
@@ -112,6 +113,44 @@ def test_the_engine_is_reusable_and_rejects_what_it_cannot_hold(qwen35_engine, t
     assert [r[:2] for r in rejected] == [("too-long", 99)] and "max_model_len" in rejected[0][2]
     assert sorted(s.id for s in done) == sorted(s.id for s in samples)
     assert_matches(vx.open_dataset(tmp_path), samples, hf_reference(tiny_model, samples, list(range(8))))
+
+
+PLAIN_ENGINE = """
+import json, sys
+from vllm import LLM
+model, store = sys.argv[1], sys.argv[2]
+llm = LLM(model=model, tokenizer=model, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
+          max_model_len=512, max_num_batched_tokens=512, enable_prefix_caching=False,
+          speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                              "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [2, 5]}}},
+          kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+                              "kv_connector_extra_config": {"shared_storage_path": store}})
+def probe(worker):
+    changes = sys.modules.get("vx.engine.patches")
+    return {"groups": len(worker.model_runner.kv_cache_config.kv_cache_groups),
+            "vx_changes": dict(changes.ACTIVE) if changes else {}}
+print(json.dumps(llm.collective_rpc(probe)[0]))
+"""
+
+
+def test_a_plain_vllm_engine_beside_vxs_keeps_vllms_own_kv_grouping(qwen35_engine, tiny_model, tmp_path):
+    """vx's changes to vLLM live in vx's engines only: a plain vllm.LLM with vLLM's own
+    extract_hidden_states method and connector, started in the same environment while vx's engine
+    runs, plans vLLM's own KV groups (attention and GDN layers grouped, the hidden-state layer
+    beside them); vx's engine has one group per layer plus its hidden-state group."""
+    import subprocess
+    import sys
+
+    ours = qwen35_engine.llm.collective_rpc("vx_kv_groups")[0]
+    assert "hidden_state_billing" in qwen35_engine.active_changes
+    env = {k: v for k, v in os.environ.items() if k != "VX_ENGINE"}
+    env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the probe goes to the worker as a pickled function
+    r = subprocess.run([sys.executable, "-c", PLAIN_ENGINE, str(tiny_model), str(tmp_path)], capture_output=True,
+                       text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    theirs = json.loads(r.stdout.strip().splitlines()[-1])
+    layers = json.loads((tiny_model / "config.json").read_text())["num_hidden_layers"]
+    assert theirs["vx_changes"] == {} and ours == layers + 1 and theirs["groups"] < ours, (theirs, ours)
 
 
 def test_vision_language_checkpoint_runs_text_only_and_matches(tiny_vl_model, tiny_model, tmp_path):

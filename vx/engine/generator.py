@@ -16,6 +16,7 @@ from pathlib import Path
 
 from vx import faults
 from vx.data.chat import tools_of
+from vx.engine import patches
 from vx.errors import raise_if_stopped
 from vx.data.generation import Conversation
 from vx.store.text_output import sidecar
@@ -75,6 +76,7 @@ def preload(tensor_parallel_size: int, output: Path) -> None:
 
     with engine_output(sidecar(output, ".vllm.log")):
         engine_env(tensor_parallel_size)
+        patches.enable()
         from vllm import LLM  # noqa: F401
 
 
@@ -92,6 +94,7 @@ def start_engine(cfg, model_dir: Path, log: Path):
     without_tokenizer()
     with engine_output(log, cfg.verbose):
         on_cpu = engine_env(cfg.tensor_parallel_size)
+        patches.enable()  # vx's changes to vLLM (its CPU ones: a seeded request's chunked prefill)
         from vllm import LLM
 
         kw = dict(model=str(model_dir), tokenizer=str(model_dir), skip_tokenizer_init=True,

@@ -7,8 +7,8 @@ attention block is aligned up to the GDN state page (`Platform._align_hybrid_blo
 tokens for a Qwen3.6-27B-class target on a GPU) and each GDN group's block is max_model_len
 (without prefix caching), so a max_model_len of "longest sample + 1" makes that divisor 1 for most
 lengths: one captured token per block. vLLM bills every block at the widest group's pages (16
-layers' for 27B, ~51 MB a block) unless patches/vllm_hidden_state_billing.py makes every group one
-layer wide (one page a block). `plan_engine` rounds max_model_len up to a multiple of the best block the
+layers' for 27B, ~51 MB a block) unless vx's change to it (vx/engine/patches/hidden_state_billing.py,
+active in vx's engines) makes every group one layer wide (one page a block). `plan_engine` rounds max_model_len up to a multiple of the best block the
 attention block allows, then builds the KV cache specs vLLM's layers would build and runs vLLM's
 grouping and per-block billing over them: the block sizes, the bytes billed per captured token
 and, given the memory, the blocks and the tokens in flight. vLLM then re-plans the same way as
@@ -75,12 +75,16 @@ class EnginePlan:
                 s += f" or {self.requests_in_flight(mean_tokens):,} of {mean_tokens:,} tokens"
         if self.hybrid and self.widest_group > 1:
             s += (f"; vLLM bills each hidden-state block at the widest group's {self.widest_group} pages "
-                  f"(`python patches/apply.py vllm_hidden_state_billing`, in vx's source tree, makes it one)")
+                  f"(vx's change hidden_state_billing is not active in this engine)")
         return s
 
 
 def _planning():
-    """vLLM's planner functions: 0.33 moved them to kv_cache_planning."""
+    """vLLM's planner functions, with vx's changes to them (vx/engine/patches/: the plan of vx's
+    engine, which has them): 0.33 moved them to kv_cache_planning."""
+    from vx.engine import patches
+
+    patches.install()
     try:
         from vllm.v1.core import kv_cache_planning as p  # 0.33
     except ImportError:

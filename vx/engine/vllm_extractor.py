@@ -24,6 +24,7 @@ from vx.engine.capture import capture_budget
 from vx.engine.contract import check_vllm_contract
 from vx.engine.defaults import check_tensor_parallel_pages
 from vx.engine.lifetime.liveness import start_watched
+from vx.engine import patches
 from vx.engine.lifetime.logs import engine_output, vllm_log_path, without_tokenizer
 from vx.engine.plan_start import plan_capture_engine
 from vx.engine.vllm_engine import (
@@ -70,6 +71,7 @@ class VllmExtractor:
         from vx.engine.lifetime.reaper import Reaper
 
         on_cpu = engine_env(options.get("tensor_parallel_size", 1))
+        self.changes = patches.enable()  # vx's changes to vLLM, in this engine's processes only
         kwargs = engine_kwargs(model_dir, layer_ids, on_cpu=on_cpu, **options)
         check_vllm_contract(kwargs)  # before any weight loads: one line naming what is missing
         # max_model_len rounded so the hidden-state block is the largest vLLM allows (vx/engine/plan.py)
@@ -88,6 +90,7 @@ class VllmExtractor:
         self._engine = llm.llm_engine  # unwatched: for the shutdown
         self.llm, self.engine = self.watch.guard(llm), self.watch.guard(llm.llm_engine)
         self.llm.collective_rpc("vx_watch_driver")  # a second line, should the reaper die with this process
+        self.active_changes = sorted(self.llm.collective_rpc("vx_changes")[0])  # read back from rank 0
         config = self.engine.vllm_config
         self.max_num_seqs = config.scheduler_config.max_num_seqs
         self.max_num_batched_tokens = config.scheduler_config.max_num_batched_tokens
@@ -258,6 +261,8 @@ def run_vllm(cfg, model_dir, info, layer_ids, samples, shard_args, bar, t0, erro
     finally:
         ex.close()
     stats["max_model_len"] = ex.max_model_len
+    stats["vllm_changes"] = ex.active_changes
     if ex.plan is not None:
-        stats["plan"] = ex.plan.line() + (f"; {ex.budget.line}" if ex.budget is not None else "")
+        stats["plan"] = ex.plan.line() + (f"; {ex.budget.line}" if ex.budget is not None else "") + \
+            f"; vx's changes to vLLM active in the engine: {', '.join(ex.active_changes) or 'none'}"
     return load_s, ex.warmup_s, extract_s, counts["n"] - len(stats.get("rejected", [])), counts["tokens"], stats

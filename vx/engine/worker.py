@@ -82,6 +82,16 @@ class VxWorkerExtension:
                 "zero_copy_rows": sink.zero_copy_rows, "copied_rows": sink.copied_rows,
                 "hidden_block": conn.block_size, "intake_cpu_s": sink.intake_cpu_s, "writer_cpu_s": w.thread_cpu_s}
 
+    def vx_changes(self) -> dict[str, str]:
+        """vx's changes to vLLM active in this worker's process (vx/engine/patches/): change -> module."""
+        from vx.engine.patches import ACTIVE
+
+        return dict(ACTIVE)
+
+    def vx_kv_groups(self) -> int:
+        """KV cache groups the engine planned (vx's change hidden_state_billing: one per layer, + vx's)."""
+        return len(self.model_runner.kv_cache_config.kv_cache_groups)
+
     def vx_param_count(self, substring: str) -> int:
         """Parameters of the loaded model whose name contains `substring` (tests: no vision tower)."""
         return sum(p.numel() for n, p in self.model_runner.get_model().named_parameters() if substring in n)

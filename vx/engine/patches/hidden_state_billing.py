@@ -13,21 +13,23 @@ layer per group the pool's block is one page: each group's request takes the sam
 (16 attention groups of one layer hold what one of 16 did), and a hidden-state block costs one.
 The price is more block tables and metadata builds per step (a 27B: 65 groups instead of 5),
 host work that is small beside a step's forward.
-How: applied by the setup step (`python patches/apply.py`; on a GPU machine run it once after
-`pip install -e '.[gpu]'`); idempotent. Only engines with a hidden-state layer (the
+How: rewritten at run time from the function's own source, in the processes of the engines vx
+starts and nowhere else (vx/engine/patches/__init__.py); the installed files are untouched. Only engines with a hidden-state layer (the
 extract_hidden_states method) change; the block-outermost packed path is untouched.
 Checked: tests/test_engine_plan.py (the plan over real configs: bytes per block = one page),
 every vLLM capture test against the HF forward on CPU, and on a GPU `vx selftest`.
 Delete when: vLLM bills a hidden-state group at its own width (PR #56822 or its successor merged).
 """
 
-TARGETS = ["vllm/v1/core/kv_cache_planning.py", "vllm/v1/core/kv_cache_utils.py"]  # 0.33, 0.32
+MODULES = ("vllm.v1.core.kv_cache_planning", "vllm.v1.core.kv_cache_utils")  # 0.33, 0.32
+FUNCTION = "get_kv_cache_groups"
+PLATFORM = "any"
 OLD = """    groups = _get_kv_cache_groups_uniform_page_size(filtered_spec)
 
     # Add hidden-state layers back with page aligned to the common page.
 """
 NEW = """    groups = _get_kv_cache_groups_uniform_page_size(filtered_spec)
-    # vx patch: vllm_hidden_state_billing (one layer per group beside a hidden-state group, so the
+    # vx change: hidden_state_billing (one layer per group beside a hidden-state group, so the
     # pool's block is one page and a hidden-state block is not billed at the widest group's pages)
     if hidden_specs:
         groups = create_kv_cache_group_specs(
