@@ -20,7 +20,7 @@ checks, and its gRPC calls to fail after ~3 s of unanswered keepalive pings (FAS
 After each: every sample exactly once, every listed shard's size and CRC64-NVME, every row within
 cosine 0.999 of a clean run, no unlisted shard and no open multipart upload (tests/fault_checks.py's
 own reading of the objects), and `vx verify`. The hf backend keeps the engines cheap: none of these
-faults is about the engine. The partition case also runs on vLLM (VX_HOSTS_VLLM=1, ~4 min: three
+faults is about the engine. The partition case also runs on vLLM (VX_HOSTS_VLLM=1, ~2.5 min: three
 engine starts on one-CPU hosts), whose batching gives the two attempts other bytes under the same
 shard numbers; so does the two-writer case without hosts, the fault campaign's `two-writers-vllm`
 mode (`python tests/fault_campaign.py`)."""
@@ -195,7 +195,7 @@ def test_node_loss_mid_partition_is_retried_on_the_other_host_and_the_output_is_
 
 
 @pytest.mark.parametrize("backend", ["hf", pytest.param("vllm", marks=pytest.mark.skipif(
-    not os.environ.get("VX_HOSTS_VLLM"), reason="three vLLM engine starts on one-CPU hosts (~4 min): "
+    not os.environ.get("VX_HOSTS_VLLM"), reason="three vLLM engine starts on one-CPU hosts (~2.5 min): "
     "VX_HOSTS_VLLM=1 runs it"))])
 def test_a_partitioned_host_healed_after_its_retry_finished_stops_at_its_next_s3_step(cluster, tmp_path, backend):
     """With vLLM too: its batching gives the two attempts' shards other bytes under the same
