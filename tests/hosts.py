@@ -4,9 +4,8 @@ temp and staging directories; they share the filesystem (the venv, the data) and
 
 Faults, as a cluster meets them:
   kill()        every process of the host, at once (node loss)
-  link(False)   its cable pulled: nothing reaches it or leaves it, its processes keep running,
-                until link(True) (a network partition, then heal)
-  cut(addr)     one address unreachable from this host alone (S3 cut off from one node)
+  cut(addr)     one address unreachable from this host, until uncut(addr): S3 cut off from one
+                node; two hosts cut from each other (a network partition, then heal)
 
 Needs root (`ip netns`, veth pairs, a bridge); `available()` says whether this machine lets us.
 """
@@ -84,9 +83,6 @@ class Host:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         return len(pids)
-
-    def link(self, up: bool) -> None:
-        ip("link", "set", self.veth, "up" if up else "down")
 
     def cut(self, addr: str) -> None:
         """addr unreachable from this host (its packets get an ICMP-style refusal at once)."""

@@ -84,7 +84,6 @@ class Cluster:
 
     def revive_b(self) -> None:
         """Host b back as a fresh node (its raylet killed with it, or told by the head it was dead)."""
-        self.b.link(True)
         self.b.kill()
         wait_for(lambda: not self.b.pids(), "host b's processes to end", 30)
         self.ray(self.b, "--address", f"{self.a.addr}:6379")
