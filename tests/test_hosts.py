@@ -27,6 +27,7 @@ mode (`python tests/fault_campaign.py`)."""
 
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -99,8 +100,6 @@ class Cluster:
         e = dict(CREDS, **FAST_DEATH, OMP_NUM_THREADS="1", **(env or {}))
         if wait:
             return self.a.run(cmd, env=e, cwd=ROOT, timeout=600)
-        import subprocess
-
         return self.a.popen(cmd, env=e, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def close(self) -> None:  # each host's processes, by its namespace (`ray stop` would stop every Ray here)
@@ -116,12 +115,23 @@ def _ok(call) -> bool:
         return False
 
 
-def wait_for(pred, what: str, timeout: float = 300):
+def wait_for(pred, what: str, timeout: float = 300, state=None):
+    """state(): what to show beside the timeout (the processes and logs that explain it)."""
     deadline = time.monotonic() + timeout
     while not pred():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
+            raise AssertionError(f"timed out waiting for {what}" + (f"\n{state()}" if state else ""))
         time.sleep(0.3)
+
+
+def b_state(cl: Cluster, tmp: Path) -> str:
+    """Host b's processes, the failpoint's trace, and the tails of b's Ray worker and raylet logs."""
+    ps = subprocess.run(["ps", "-o", "pid,ppid,stat,etime,args", "-p", ",".join(map(str, cl.b.pids())) or "1"],
+                        capture_output=True, text=True).stdout
+    trace = (tmp / "trace").read_text() if (tmp / "trace").exists() else "(no trace)"
+    logs = [f"{p.name}:\n{p.read_text(errors='replace')[-1500:]}"
+            for p in sorted(cl.b.tmp.glob("ray/session_*/logs/*.err")) + sorted(cl.b.tmp.glob("ray/session_*/logs/raylet.out"))]
+    return "\n".join([f"b's processes:\n{ps[-3000:]}", f"trace: {trace}", *logs])
 
 
 @pytest.fixture(scope="module")
@@ -217,16 +227,16 @@ def test_a_partitioned_host_healed_after_its_retry_finished_stops_at_its_next_s3
         owner = json.loads(cl.client.get_object(Bucket="vx-out", Key=f"{prefix}/{part}/.vx-owner.json")["Body"].read())
         assert owner["host"] == "a", owner
         wake.touch()  # b's worker wakes beside the finished retry, before the heal
-        said = f"s3://vx-out/{prefix}/{part} was taken over by another writer"  # b's worker's log, not an earlier test's
-        logs = lambda: [p.read_text() for p in cl.b.tmp.glob("vx-ray-*/worker.log")]  # noqa: E731
-        wait_for(lambda: any(said in t for t in logs()), "the woken worker's line", 120)
+        said = f"s3://vx-out/{prefix}/{part} was taken over by another writer"  # b's worker's line, not an earlier test's
+        logs = lambda: [p.read_text(errors="replace") for p in cl.b.tmp.glob("ray/session_*/logs/worker-*.err")]  # noqa: E731
+        wait_for(lambda: any(said in t for t in logs()), "the woken worker's line", 120, lambda: b_state(cl, tmp_path))
     finally:
         if driver.poll() is None:
             driver.kill()
         cl.a.uncut(cl.b.addr)  # the heal: b's raylet is told it was declared dead
         cl.b.uncut(cl.a.addr)
         cl.revive_b()
-    line = next(t for t in logs() if said in t).strip().splitlines()[-1]
+    line = next(ln for t in logs() for ln in t.splitlines() if said in ln).strip()
     assert line.startswith("vx: ") and f"s3://vx-out/{prefix}/{part}" in line, line
     assert f"pid {owner['pid']} on a" in line and f"attempt {owner['attempt']}" in line and " on b)" in line, line
     assert_whole(cl, prefix, 0.999 if backend == "hf" else 0.99)

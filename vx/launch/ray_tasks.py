@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import tempfile
 import time
 import uuid
@@ -87,9 +88,19 @@ def partition_task(config: dict, plan: dict, env: dict, sink, job: str) -> dict:
             raise
         reap_worker(proc, reader)
         if proc.returncode != 0 or "summary" not in got:
-            raise RuntimeError(f"partition {index} worker exited {proc.returncode} on "
-                               f"{ray.util.get_node_ip_address()}: {last_line(log)}")
+            why = f"partition {index} worker exited {proc.returncode} on {ray.util.get_node_ip_address()}"
+            # its log goes with this temp dir: its tail stays in Ray's log of this task's worker on
+            # this node (logs/worker-*.err), for a driver that is gone or cut off from this node
+            print(f"vx: {why}; its last lines:\n{tail(log)}", file=sys.stderr, flush=True)
+            raise RuntimeError(f"{why}: {last_line(log)}")
     return dict(got["summary"], node=ray.util.get_node_ip_address(), node_id=node_id, attempt=attempt)
+
+
+def tail(log: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
 
 
 def require_ray() -> None:
