@@ -132,7 +132,7 @@ _LAST: dict = {}
 
 def s3_run(root: Path, total: int, dtype: str, shard_mb: int) -> dict:
     from common import moto_server
-    from vx.s3_client import parse_s3_url
+    from vx.store.s3_client import parse_s3_url
     from vx.store.uploader import Uploader
 
     os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")

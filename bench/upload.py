@@ -67,7 +67,7 @@ def step_loop(stop: threading.Event, steps: list[float]) -> None:
 
 
 def upload(out: Path, url: str, prefix: str, loop: bool) -> dict:
-    from vx.s3_client import parse_s3_url
+    from vx.store.s3_client import parse_s3_url
     from vx.store.uploader import Uploader
 
     up = Uploader(out, parse_s3_url(f"s3://vx-bench/{prefix}"), url, keep_local=True)
@@ -121,7 +121,7 @@ def download(out: Path, url: str, prefix: str, client: str) -> dict:
     """The shards back from s3://vx-bench/prefix as vx/train/shard_cache.py fetches them."""
     from boto3.s3.transfer import TransferConfig
 
-    from vx.s3_client import make_client
+    from vx.store.s3_client import make_client
     from vx.store.crt_s3 import CrtS3
     from vx.train.shard_cache import FETCH_PART
 

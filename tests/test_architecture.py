@@ -1,5 +1,5 @@
 """The package's architecture, as pyproject.toml's import-linter contracts state it: imports point
-one way (cli -> jobs, regenerate -> launch, engine, train -> store, data -> shared utilities), no
+one way (cli -> jobs -> launch -> engine, train -> monitor -> data -> store -> shared utilities), no
 cycles, a trainer's imports need no vLLM; every module imports on its own; files stay short."""
 
 from __future__ import annotations

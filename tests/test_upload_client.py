@@ -13,7 +13,7 @@ from s3_faults import FaultyProxy, free_port
 from test_s3 import CREDS, start_s3
 
 from vx.errors import VxError
-from vx.s3_client import parse_s3_url
+from vx.store.s3_client import parse_s3_url
 from vx.store import checksum
 from vx.store.uploader import Uploader
 

@@ -15,8 +15,7 @@ from typing import Callable, Iterator
 from vx.data.formats import BadRecord, parse_line
 from vx.data.inputs import Input, InputFile, Row
 from vx.data.samples import PENDING
-
-COMMITTED = ".committed"  # OUTPUT.committed: OUTPUT's size when its last chunk was fsynced
+from vx.store.text_output import COMMITTED
 
 
 def committed_bytes(path: Path) -> int:

@@ -106,7 +106,7 @@ class Input:
         return [self._local(n) for n in names]
 
     def _client(self):
-        from vx.s3_client import make_client
+        from vx.store.s3_client import make_client
 
         return make_client(self.endpoint_url)
 

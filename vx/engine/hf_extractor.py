@@ -5,16 +5,19 @@ Never `output_hidden_states=True` (it keeps every layer alive: 65 x 128 x 3316 x
 short by an exception right after the last target layer, so later layers and the final norm
 never run. Batches are right-padded with an attention mask; padding leaves the real tokens'
 states unchanged for both GDN and attention layers (tested). Several samples are never packed
-into one row: that is not safe for GDN layers without varlen kernels.
+into one row: that is not safe for GDN layers without varlen kernels. run_hf is the
+`vx extract --backend hf` job's loop, as vllm_extractor.run_vllm is vLLM's.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from typing import Iterable, Iterator
 
 import torch
 
+from vx import faults
 from vx.data.samples import Sample
 from vx.device import cpu_has_bf16, cuda_available
 from vx.errors import UsageError, raise_if_stopped, startup_over
@@ -137,3 +140,25 @@ class HFExtractor:
         stacked = torch.stack([self._captured[k] for k in self.layer_ids], dim=2)  # [B, S, L, H]
         self._captured.clear()
         return [stacked[i, :n] for i, n in enumerate(lengths)]  # [T_i, L, H] each
+
+
+def run_hf(cfg, model_dir, layer_ids, tokenizer, samples, writer, bar, t0):
+    """The `vx extract --backend hf` job: samples in length-sorted batches through the HF model into
+    writer; returns (load_s, warmup_s, extract_s, samples, tokens)."""
+    model = load_hf_model(model_dir, cfg.dtype, cfg.device)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    extractor = HFExtractor(model, layer_ids, pad_id=pad)
+    load_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    n = tokens = 0
+    for batch in length_sorted_batches(samples, cfg.batch_size, cfg.max_batch_tokens, cfg.sort_window):
+        raise_if_stopped()
+        for s, h in zip(batch, extractor.extract(batch)):
+            writer.add(s.id, s.input_ids, s.loss_mask, h, line=s.line)
+        faults.point("after-batch")
+        n += len(batch)
+        tokens += sum(len(s) for s in batch)
+        bar.advance(len(batch), sum(len(s) for s in batch), writer.added_bytes)
+    writer.close()
+    rejected = {sid for sid, _ in writer.rejected}
+    return load_s, 0.0, time.perf_counter() - t1, n - len(rejected), tokens

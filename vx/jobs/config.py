@@ -66,14 +66,14 @@ class ExtractConfig(Engines, Generation):  # the engine, scale-out and generatio
         if str(self.output).startswith("s3://"):  # stage locally, mirror to S3
             if self.upload and self.upload != str(self.output):
                 raise UsageError("-o s3://... and --upload name two different targets")
-            from vx.s3_client import parse_s3_url
+            from vx.store.s3_client import parse_s3_url
             from vx.store.output import staging_dir
 
             self.upload = str(self.output)
             self.output = staging_dir(parse_s3_url(self.upload), self.endpoint_url)
             self.staged = True
         if self.upload:
-            from vx.s3_client import parse_s3_url
+            from vx.store.s3_client import parse_s3_url
 
             parse_s3_url(self.upload)
         if self.compress not in (None, "blocks", "zstd"):

@@ -17,17 +17,17 @@ from itertools import chain
 from pathlib import Path
 from typing import Iterator
 
-from vx import __version__, faults
+from vx import __version__
 from vx.data.layers import resolve_layer_ids
 from vx.data.model import load_tokenizer, model_info, resolve_model
 from vx.data.samples import BadLine, Sample, Tokenize, read_samples
-from vx.errors import UsageError, VxError, raise_if_stopped
+from vx.errors import UsageError, VxError
 from vx.jobs.config import ExtractConfig
 from vx.jobs.summary import Summary, combine
 from vx.monitor.publish import watch_writer
 from vx.monitor.flops import mfu_terms
 from vx.monitor.progress import RunProgress
-from vx.store.format import ERRORS, RETAIN
+from vx.store.format import ERRORS
 from vx.store.output import ErrorLog, Output
 from vx.store.writer import ShardWriter
 
@@ -130,19 +130,20 @@ class Job:
 def prepare_job(cfg: ExtractConfig, source=None) -> Job:
     """source: the input, when it is not cfg.data as read (one-pass: the regeneration followed)."""
     backend = choose_backend(cfg.backend)
-    target = None
-    if cfg.upload:  # fail fast, before the model loads: endpoint, credentials, bucket, write access
-        from vx.s3_client import parse_s3_url
-        from vx.store.s3 import preflight
-
-        target = parse_s3_url(cfg.upload)
-        preflight(target, cfg.endpoint_url)
+    reading = cfg.reading()
+    source = source if source is not None else cfg.source()
     model_dir = resolve_model(cfg.model)
     info = model_info(model_dir)
     layer_ids = resolve_layer_ids(cfg.layers, info.num_layers)
     tokenizer = load_tokenizer(model_dir)
-    source = source if source is not None else cfg.source()
-    tokenize = Tokenize(tokenizer, cfg.reading(), info.vocab_size)
+    tokenize = Tokenize(tokenizer, reading, info.vocab_size)
+    target = None
+    if cfg.upload:  # after the local checks, before the model loads: endpoint, credentials, bucket, write access
+        from vx.store.s3_client import parse_s3_url
+        from vx.store.s3 import preflight
+
+        target = parse_s3_url(cfg.upload)
+        preflight(target, cfg.endpoint_url)
     meta = {
         "format": "vx-1", "vx_version": __version__, "model": str(model_dir), "model_type": info.model_type,
         "model_fingerprint": info.fingerprint,
@@ -180,10 +181,13 @@ def run_extract(cfg: ExtractConfig, progress: bool | None = None, reporter=None,
     if cfg.partitioned:
         cfg, out, lines, plan = _enter_partition(cfg, job, root, whole_source=source is not None)
     lengths = None  # the samples' token counts: the engine's max_model_len and step budget
+    from vx.launch.plan import engine_lengths, max_model_len_for
+
     if job.backend == "vllm" and (plan is not None or not cfg.max_model_len):  # no plan is made for them alone
-        lengths = engine_lengths(cfg, job, plan)
+        lengths = engine_lengths(plan, cfg.output, job.source, job.model_dir, job.info.fingerprint, cfg.reading(),
+                                 cfg.partition_index)
     if job.backend == "vllm" and not cfg.max_model_len:
-        cfg = replace(cfg, max_model_len=max_model_len_for(lengths, job))
+        cfg = replace(cfg, max_model_len=max_model_len_for(lengths, job.info.max_position_embeddings))
     out.reset_or_sync(cfg.overwrite)
     elsewhere = root.committed_elsewhere(exclude=out)  # other partitions, of this run or an earlier one
     with out.lock():
@@ -193,16 +197,6 @@ def run_extract(cfg: ExtractConfig, progress: bool | None = None, reporter=None,
 
 
 run = run_extract  # the job's body: one partition, or the whole input, in this process
-
-
-def _retainer(cfg: ExtractConfig, out: Output, root: Output, budget: int):
-    """--retain-gb: the thread that deletes this writer's consumed shards (vx/store/retention.py)."""
-    from vx.store.retention import Retainer
-
-    part = out.local.name if out is not root else ""
-    where = str(root.target) if root.target is not None else str(root.local)
-    root.put_small(RETAIN, {"retain_gb": cfg.retain_gb, "writers": cfg.num_partitions if cfg.partitioned else 1})
-    return Retainer(where, cfg.endpoint_url, part, out.local, budget, fence=out.fence).start()
 
 
 def _extract_locked(cfg, job, out: Output, lines, elsewhere, progress, reporter, t0, root=None,
@@ -224,7 +218,11 @@ def _extract_locked(cfg, job, out: Output, lines, elsewhere, progress, reporter,
                   max_local, cfg.compress)
     errors = ErrorLog(cfg.output)
     uploader = out.uploader(cfg.keep_local or retain is not None, max_local, before_publish)
-    retainer = _retainer(cfg, out, root or out, retain) if retain is not None else None
+    retainer = None
+    if retain is not None:
+        from vx.store.retention import start_retainer
+
+        retainer = start_retainer(out, root or out, cfg.retain_gb, cfg.num_partitions if cfg.partitioned else 1, retain)
     total = len(lines) if lines is not None else job.source.count()
     total = None if total is None else max(0, total - len(state.committed_ids))
     bar = reporter if reporter is not None else RunProgress(total, enabled=progress, every=cfg.progress_every)
@@ -258,8 +256,10 @@ def _extract_locked(cfg, job, out: Output, lines, elsewhere, progress, reporter,
                                  compress=cfg.compress)
             if started is not None:
                 started()
-            *stats, = _run_hf(cfg, job.model_dir, layer_ids, job.tokenizer, chain([first], samples), writer,
-                              bar, t0)
+            from vx.engine.hf_extractor import run_hf
+
+            *stats, = run_hf(cfg, job.model_dir, layer_ids, job.tokenizer, chain([first], samples), writer,
+                             bar, t0)
             shards, nbytes, peak_local = writer.committed_shards, writer.committed_bytes, writer.peak_local_bytes
         else:
             from vx.engine.vllm_extractor import run_vllm
@@ -334,47 +334,3 @@ def _enter_partition(cfg: ExtractConfig, job: Job, root: Output, whole_source: b
     plan = Path(cfg.plan_file) if cfg.plan_file else load_or_make_plan(
         root.local, job.source, job.model_dir, job.info.fingerprint, cfg.num_partitions, cfg.reading())
     return cfg, out, lines_of(plan, cfg.partition_index), plan
-
-
-def engine_lengths(cfg: ExtractConfig, job: Job, plan: Path | None):
-    """The token counts of the rows this run (this partition) submits, in order, from the plan (a
-    one-partition plan is made for a single run); None for a plan made without them."""
-    from vx.launch.plan import load_or_make_plan, sample_lengths
-
-    if plan is None:
-        plan = load_or_make_plan(cfg.output, job.source, job.model_dir, job.info.fingerprint, 1, cfg.reading())
-    return sample_lengths(plan, cfg.partition_index)
-
-
-def max_model_len_for(lengths, job: Job) -> int | None:
-    """The engine's max_model_len: the longest sample this run submits, + 1 (the engine samples
-    one token), never more than the model's own. vLLM's default is the model's (262,144 for
-    Qwen3.6), and the engine refuses to start where one such request, with capture's per-token
-    cost, does not fit."""
-    if lengths is None or not len(lengths):
-        return None
-    want = max(int(lengths.max()), 2) + 1  # a 1-token sample is sent as 2 tokens (vllm_backend.prompt_ids)
-    limit = job.info.max_position_embeddings
-    return min(want, limit) if limit else want
-
-
-def _run_hf(cfg, model_dir, layer_ids, tokenizer, samples, writer, bar, t0):
-    from vx.engine.hf_extractor import HFExtractor, length_sorted_batches, load_hf_model
-
-    model = load_hf_model(model_dir, cfg.dtype, cfg.device)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    extractor = HFExtractor(model, layer_ids, pad_id=pad)
-    load_s = time.perf_counter() - t0
-    t1 = time.perf_counter()
-    n = tokens = 0
-    for batch in length_sorted_batches(samples, cfg.batch_size, cfg.max_batch_tokens, cfg.sort_window):
-        raise_if_stopped()
-        for s, h in zip(batch, extractor.extract(batch)):
-            writer.add(s.id, s.input_ids, s.loss_mask, h, line=s.line)
-        faults.point("after-batch")
-        n += len(batch)
-        tokens += sum(len(s) for s in batch)
-        bar.advance(len(batch), sum(len(s) for s in batch), writer.added_bytes)
-    writer.close()
-    rejected = {sid for sid, _ in writer.rejected}
-    return load_s, 0.0, time.perf_counter() - t1, n - len(rejected), tokens

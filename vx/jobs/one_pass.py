@@ -89,11 +89,14 @@ def max_model_len(cfg, job=None, plan: Path | None = None) -> int:
     to start where one such request does not fit)."""
     from vx.data.chat import conversation
     from vx.data.inputs import Input
-    from vx.jobs.extract import engine_lengths, max_model_len_for, prepare_job
+    from vx.jobs.extract import prepare_job
+    from vx.launch.plan import engine_lengths, max_model_len_for
 
     job = job or prepare_job(cfg)
     whole = cfg if plan is not None else replace(cfg, partition_index=None, num_partitions=1)  # no plan: the whole input's
-    longest = max_model_len_for(engine_lengths(whole, job, plan), job) or 2  # the input's plan, kept in OUT for reruns
+    lengths = engine_lengths(plan, whole.output, job.source, job.model_dir, job.info.fingerprint, whole.reading(),
+                             whole.partition_index)  # the input's plan, kept in OUT for reruns
+    longest = max_model_len_for(lengths, job.info.max_position_embeddings) or 2
     turns = 1
     if cfg.turns == "all":
         for row in Input(cfg.data, cfg.endpoint_url).rows():
@@ -134,7 +137,7 @@ def check_rerun(cfg, out: Path) -> None:
                              "--overwrite to start over")
     write_atomically(path, json.dumps(opts, indent=1) + "\n")
     if cfg.upload:  # from now on the S3 prefix holds this output (a rerun there keeps its staging)
-        from vx.s3_client import parse_s3_url
+        from vx.store.s3_client import parse_s3_url
         from vx.store.s3 import put_file
 
         put_file(parse_s3_url(cfg.upload), cfg.endpoint_url, path, GENERATION)
@@ -142,7 +145,7 @@ def check_rerun(cfg, out: Path) -> None:
 
 def _fetch(cfg, name: str, dest: Path) -> bool:
     """The S3 output's file `name` into dest (a rerun on another machine); False when there is none."""
-    from vx.s3_client import make_client, parse_s3_url
+    from vx.store.s3_client import make_client, parse_s3_url
     from vx.store.s3 import fetch_file
 
     return fetch_file(parse_s3_url(cfg.upload), name, dest, make_client(cfg.endpoint_url))
@@ -152,12 +155,13 @@ def run_one_pass(cfg, progress: bool | None = None, reporter=None):
     """The one-pass job in this process: the whole input, a launcher's partition (its plan given:
     --data-parallel-size, --ray; vx/launch/launcher.py) or one --partition-index. Returns extraction's Summary, with the regeneration's summary in it."""
     from vx.data.follow import FollowingInput
+    from vx.data.inputs import Input
     from vx.jobs.extract import run_extract
 
     out = Path(cfg.output)
     alone = not cfg.plan_file  # no launcher (one engine, or --partition-index): what a launcher does once, here
     if cfg.upload and alone:  # the staging in line with S3 before anything is written there
-        from vx.s3_client import parse_s3_url
+        from vx.store.s3_client import parse_s3_url
         from vx.store.output import Output
         from vx.store.s3 import preflight
 
@@ -179,8 +183,8 @@ def run_one_pass(cfg, progress: bool | None = None, reporter=None):
     split, after_end = cpu_layout()
     # following (GPU), or on CPU a finished regeneration's rerun (its child ends, no engine started; the
     # capture then starts one only for work left): the capture waits for the child's engine or its end
-    wait = not after_end or (cfg.backend != "hf" and not cfg.partitioned
-                             and looks_finished(followed, cfg.data, cfg.endpoint_url))
+    records = lambda: sum(r.record is not None or r.bad is not None for r in Input(cfg.data, cfg.endpoint_url).rows())  # noqa: E731
+    wait = not after_end or (cfg.backend != "hf" and not cfg.partitioned and looks_finished(followed, records))
     gen_env = pin_env(split[0]) if split else {} if cuda_available() else reversed_binding(cfg.tensor_parallel_size)
     split_gpu = cuda_available() and cfg.backend != "hf"  # one --gpu-memory-utilization for both engines
     if cuda_available() and cfg.gpu_memory_utilization is None and not split_gpu:

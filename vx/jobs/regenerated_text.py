@@ -57,7 +57,7 @@ class RegeneratedText:
 
     def __init__(self, target, endpoint_url: str | None, path: Path, part: str = "all",
                  generation: Path | None = None):
-        from vx.s3_client import make_client
+        from vx.store.s3_client import make_client
 
         self.target, self.path, self.part = target, Path(path), part
         self.generation = generation  # the root's regenerate.json: put to S3 with the first segment
@@ -208,7 +208,7 @@ def text_in_s3(cfg, path: Path, part: str = "all") -> RegeneratedText | None:
     """With -o s3://: the keeper in S3 of the text at path (a one-pass config's), else None."""
     if not cfg.upload:
         return None
-    from vx.s3_client import parse_s3_url
+    from vx.store.s3_client import parse_s3_url
 
     return RegeneratedText(parse_s3_url(cfg.upload), cfg.endpoint_url, path, part, Path(cfg.output) / GENERATION)
 

@@ -62,7 +62,7 @@ def verify(out: str | Path, model: str | None = None, samples: int = 8, min_cosi
 def _verify(out: Path, model, samples, min_cosine, seed, device, remote=None) -> VerifyReport:
     client = target = None
     if remote is not None:  # S3: manifest and vx.json come down; shards are checked in place
-        from vx.s3_client import make_client, parse_s3_url
+        from vx.store.s3_client import make_client, parse_s3_url
         from vx.store.s3 import fetch_layout_meta
 
         target, client = parse_s3_url(remote[0]), make_client(remote[1])

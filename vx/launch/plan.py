@@ -8,7 +8,8 @@ tokens and each one mixes the whole file (a length-sorted dataset is spread, not
 Weights depend on each line alone, never on its neighbours or on how the work was split across
 processes, so every process on every machine computes the same plan for the same dataset
 bytes, tokenizer, length policy and P. The plan is cached beside the output (`.vx-plan/`);
-the launchers compute it once and hand it to their workers.
+the launchers compute it once and hand it to their workers. A plan's token counts also size a
+vLLM engine (engine_lengths, max_model_len_for).
 """
 
 from __future__ import annotations
@@ -190,3 +191,23 @@ def balance(plan: np.ndarray, weights: np.ndarray, count: int) -> dict:
     """Tokens per partition and their spread."""
     tokens = [int(weights[(plan == p) & (weights > 0)].sum()) for p in range(count)]
     return {"tokens": tokens, "spread": spread(tokens)}
+
+
+def engine_lengths(plan: Path | None, output, source, model_dir, fingerprint: str, reading: Reading,
+                   index: int | None) -> np.ndarray | None:
+    """The token counts of the rows a run (partition `index`) submits, in order, from its plan (a
+    one-partition plan under output is made for a single run); None for a plan made without them."""
+    if plan is None:
+        plan = load_or_make_plan(output, source, model_dir, fingerprint, 1, reading)
+    return sample_lengths(plan, index)
+
+
+def max_model_len_for(lengths: np.ndarray | None, limit: int | None) -> int | None:
+    """The engine's max_model_len: the longest sample a run submits, + 1 (the engine samples one
+    token), never more than the model's own (limit). vLLM's default is the model's (262,144 for
+    Qwen3.6), and the engine refuses to start where one such request, with capture's per-token
+    cost, does not fit."""
+    if lengths is None or not len(lengths):
+        return None
+    want = max(int(lengths.max()), 2) + 1  # a 1-token sample is sent as 2 tokens (vllm_backend.prompt_ids)
+    return min(want, limit) if limit else want

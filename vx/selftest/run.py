@@ -63,7 +63,7 @@ class SelftestConfig:
         if self.samples is not None and self.samples < 12:
             raise UsageError(f"--samples must be >= 12 (the mix needs its special cases), got {self.samples}")
         if self.upload is not None:
-            from vx.s3_client import parse_s3_url
+            from vx.store.s3_client import parse_s3_url
 
             parse_s3_url(self.upload)  # one line for a bad URL, before any engine starts
 

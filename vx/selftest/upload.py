@@ -19,7 +19,7 @@ PROBE_BYTES = 12 << 20  # three parts of S3's least part size (5 MiB)
 
 def check_upload(report, out: Path, url: str, endpoint_url: str | None) -> None:
     """Adds the `upload` row; a failure goes to report.failures."""
-    from vx.s3_client import make_client, parse_s3_url
+    from vx.store.s3_client import make_client, parse_s3_url
     from vx.store import crt_s3
     from vx.store.format import MANIFEST
     from vx.store.remote_rows import RemoteRows, row_digest

@@ -1,2 +1,3 @@
 """An extraction output: the shard format and its encoding, the shard writer, the output's one
-owner (identity, resume, lock), S3 (preflight, remote state, the uploader), and the reader."""
+owner (identity, resume, lock), S3 (addresses and the one client configuration, preflight,
+remote state, the uploader), and the reader."""

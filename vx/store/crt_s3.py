@@ -8,7 +8,7 @@ sends it, over plain HTTP botocore signs the payload), and beside a busy driver 
 the GIL (7-8x slower); this client 0.15-0.25, keeping ~0.85 of its rate beside the loop.
 
 What is kept from the boto3 path: the same endpoint, addressing style, region and credentials as the
-botocore client vx makes (`vx/s3_client.py`; the URL comes from that client, the credentials are
+botocore client vx makes (`vx/store/s3_client.py`; the URL comes from that client, the credentials are
 read through it on every request, so refreshing ones refresh); the full-object CRC64-NVME sent with
 the upload so that S3 checks it on receipt (multipart included); ~10 retries of 5xx and throttling
 with backoff. `VX_S3_CLIENT=boto3` selects the boto3 path instead, for both directions (an

@@ -70,7 +70,7 @@ class Output:
     def of(cls, cfg) -> "Output":
         target = None
         if cfg.upload:
-            from vx.s3_client import parse_s3_url
+            from vx.store.s3_client import parse_s3_url
 
             target = parse_s3_url(cfg.upload)
         return cls(cfg.output, target, cfg.endpoint_url, cfg.staged)
@@ -81,7 +81,7 @@ class Output:
     def partition(self, name: str) -> "Output":
         target = None
         if self.target is not None:
-            from vx.s3_client import S3Target
+            from vx.store.s3_client import S3Target
 
             target = S3Target(self.target.bucket, self.target.key(name))
         return Output(self.local / name, target, self.endpoint_url, self.staged)
@@ -162,7 +162,7 @@ class Output:
         whose samples it does not list (those are committed here, and go up next)."""
         if self.target is None:
             return
-        from vx.s3_client import make_client
+        from vx.store.s3_client import make_client
         from vx.store.fence import Fence
         from vx.store.s3 import remote_dropped
 
@@ -228,7 +228,7 @@ class Output:
         """A run starts writing here: the output is not complete any more (until end_run)."""
         (self.local / END).unlink(missing_ok=True)
         if self.target is not None:
-            from vx.s3_client import make_client
+            from vx.store.s3_client import make_client
 
             if self.fence is not None:
                 self.fence.check()

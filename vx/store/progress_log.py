@@ -58,7 +58,7 @@ class ProgressLog:
 
     def _s3(self):
         if self._client is None:  # its own client, few retries: a record is never worth a stall
-            from vx.s3_client import make_client
+            from vx.store.s3_client import make_client
 
             self._client = make_client(self.endpoint_url, attempts=2, connect_timeout=3)
         return self._client

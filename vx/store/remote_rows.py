@@ -13,7 +13,7 @@ from collections import OrderedDict
 import torch
 
 from vx.errors import VxError
-from vx.s3_client import S3Target, make_client, parse_s3_url
+from vx.store.s3_client import S3Target, make_client, parse_s3_url
 from vx.store import blocks
 from vx.store.encoding import decode
 from vx.store.reader import tensor_at

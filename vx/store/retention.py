@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from vx import faults
-from vx.store.format import DROPPED, READERS
+from vx.store.format import DROPPED, READERS, RETAIN
 from vx.store.stream import Stream
 from vx.store.uploader import RETAIN_FAILED, local_shard_bytes
 
@@ -59,6 +59,16 @@ def consumed_by_all(records: list[dict]) -> tuple[int, str]:
         return 0, f"ranks {missing} of {world} have not committed yet"
     low = min(by_rank.values())
     return low, f"the slowest of {world} ranks has consumed {low} positions"
+
+
+def start_retainer(out, root, retain_gb: float, writers: int, budget: int) -> "Retainer":
+    """--retain-gb for the writer of Output out (root: its run's root output, out itself when not
+    a partition): the bound recorded for readers (retain.json), then the thread that deletes its
+    consumed shards."""
+    part = out.local.name if out is not root else ""
+    where = str(root.target) if root.target is not None else str(root.local)
+    root.put_small(RETAIN, {"retain_gb": retain_gb, "writers": writers})
+    return Retainer(where, out.endpoint_url, part, out.local, budget, fence=out.fence).start()
 
 
 class Retainer:

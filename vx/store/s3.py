@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from vx.errors import UsageError
-from vx.s3_client import S3Target, make_client
+from vx.store.s3_client import S3Target, make_client
 from vx.store.format import DROPPED, MANIFEST, READERS, RUN_FILES, RUN_META, TEXT_ERRORS, TEXT_FILES, TEXT_SEGMENTS
 from vx.store.fence import probe as conditional_writes_probe
 from vx.store.lock import write_atomically

@@ -30,7 +30,7 @@ class Source:
     def __init__(self, path: str, endpoint_url: str | None = None):
         self.path, self.remote = str(path), str(path).startswith("s3://")
         if self.remote:
-            from vx.s3_client import make_client, parse_s3_url
+            from vx.store.s3_client import make_client, parse_s3_url
 
             self.target, self.client = parse_s3_url(self.path), make_client(endpoint_url)
 

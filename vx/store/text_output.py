@@ -13,12 +13,15 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Callable
 
 from vx import faults
 from vx.errors import UsageError
-from vx.data.follow import COMMITTED
 from vx.store.format import part_name
 from vx.store.lock import try_lock, write_atomically
+
+
+COMMITTED = ".committed"  # OUTPUT.committed: OUTPUT's size when its last chunk was fsynced (vx/data/follow.py reads it)
 
 
 def parts_dir(output: Path) -> Path:
@@ -42,19 +45,17 @@ def committed_ids(path: Path) -> set[str]:
         return {str(json.loads(line)["id"]) for line in f if line.endswith(b"\n") and line.strip()}
 
 
-def looks_finished(path: Path, data: str, endpoint_url: str | None = None) -> bool:
-    """Whether an earlier run wrote or reported every record of data to OUTPUT at path (its lines and
-    its errors file's), by count: read before any engine, so that a rerun with nothing to generate
-    can skip one. A guess: a record dropped (--drop-truncated) counts as work; a wrong "finished"
-    (records changed since) only orders the engines' starts, the regeneration still finds its work."""
+def looks_finished(path: Path, records: Callable[[], int]) -> bool:
+    """Whether an earlier run wrote or reported every record of its input (records(): how many) to
+    OUTPUT at path (its lines and its errors file's), by count: read before any engine, so that a
+    rerun with nothing to generate can skip one. A guess: a record dropped (--drop-truncated) counts
+    as work; a wrong "finished" (records changed since) only orders the engines' starts, the
+    regeneration still finds its work."""
     if not path.exists() or not path.stat().st_size:
         return False  # a first run: nothing read
-    from vx.data.inputs import Input
-
     errors = sidecar(path, ".errors.jsonl")
     written = len(committed_ids(path)) + (sum(1 for _ in open(errors, "rb")) if errors.exists() else 0)
-    rows = sum(1 for row in Input(data, endpoint_url).rows() if row.record is not None or row.bad is not None)
-    return written >= rows
+    return written >= records()
 
 
 MERGE_WAIT_S = 300.0  # a part's writer waits this long for a merge that holds its lock (a rerun's

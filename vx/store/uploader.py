@@ -32,7 +32,7 @@ from pathlib import Path
 from vx import faults
 from vx.errors import VxError
 from vx.store import checksum, crt_s3
-from vx.s3_client import S3Target, make_client
+from vx.store.s3_client import S3Target, make_client
 from vx.store.fence import Fence, OwnershipLost
 from vx.store.format import ERRORS, MANIFEST, RUN_META, read_manifest
 

@@ -66,7 +66,7 @@ class Catalog:
         return [dict(r, shard=str(d.relative_to(root) / r["shard"])) for d in output_dirs(root) for r in read_manifest(d)]
 
     def _remote(self) -> list[dict]:
-        from vx.s3_client import S3Target, make_client, parse_s3_url
+        from vx.store.s3_client import S3Target, make_client, parse_s3_url
         from vx.store.s3 import layout_names, remote_manifest
 
         target, client = parse_s3_url(self.path), make_client(self.endpoint_url)

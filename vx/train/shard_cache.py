@@ -81,7 +81,7 @@ class S3Shards(LocalShards):
                  plan: list[list[int]], prefetch: int, concurrency: int):
         from boto3.s3.transfer import TransferConfig
 
-        from vx.s3_client import make_client, parse_s3_url
+        from vx.store.s3_client import make_client, parse_s3_url
 
         super().__init__(cache_dir, records)
         cache_dir.mkdir(parents=True, exist_ok=True)

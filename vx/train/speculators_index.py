@@ -112,7 +112,7 @@ def _shard_files(cat: Catalog, endpoint_url: str | None):
         return
     from concurrent.futures import ThreadPoolExecutor
 
-    from vx.s3_client import make_client, parse_s3_url
+    from vx.store.s3_client import make_client, parse_s3_url
 
     client, where = make_client(endpoint_url), parse_s3_url(cat.path)
 
