@@ -156,9 +156,9 @@ def run_hf(cfg, model_dir, layer_ids, tokenizer, samples, writer, bar, t0):
         for s, h in zip(batch, extractor.extract(batch)):
             writer.add(s.id, s.input_ids, s.loss_mask, h, line=s.line)
         faults.point("after-batch")
-        n += len(batch)
-        tokens += sum(len(s) for s in batch)
-        bar.advance(len(batch), sum(len(s) for s in batch), writer.added_bytes)
+        batch_tokens = sum(len(s) for s in batch)
+        n, tokens = n + len(batch), tokens + batch_tokens
+        bar.advance(len(batch), batch_tokens, writer.added_bytes)
     writer.close()
     rejected = {sid for sid, _ in writer.rejected}
     return load_s, 0.0, time.perf_counter() - t1, n - len(rejected), tokens

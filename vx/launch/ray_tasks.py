@@ -18,7 +18,7 @@ import uuid
 from pathlib import Path
 
 from vx.errors import UsageError
-from vx.launch.workers import GROUP_EXIT_S, Tally, last_line, reap_worker, spawn_worker, stop_worker
+from vx.launch.workers import GROUP_EXIT_S, Tally, last_line, log_tail, reap_worker, spawn_worker, stop_worker
 
 # The driver's settings that workers on other nodes need: vx's, S3's and the hub's, and the engine's
 # own (vLLM's runner, attention backend and timeouts; CUDA, NCCL, PyTorch and OpenMP settings), so
@@ -91,16 +91,9 @@ def partition_task(config: dict, plan: dict, env: dict, sink, job: str) -> dict:
             why = f"partition {index} worker exited {proc.returncode} on {ray.util.get_node_ip_address()}"
             # its log goes with this temp dir: its tail stays in Ray's log of this task's worker on
             # this node (logs/worker-*.err), for a driver that is gone or cut off from this node
-            print(f"vx: {why}; its last lines:\n{tail(log)}", file=sys.stderr, flush=True)
+            print(f"vx: {why}; its last lines:\n{log_tail(log)}", file=sys.stderr, flush=True)
             raise RuntimeError(f"{why}: {last_line(log)}")
     return dict(got["summary"], node=ray.util.get_node_ip_address(), node_id=node_id, attempt=attempt)
-
-
-def tail(log: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
 
 
 def require_ray() -> None:

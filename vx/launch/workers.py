@@ -224,6 +224,13 @@ def last_line(log: Path) -> str:
     return (errs or lines or [""])[-1][:300]
 
 
+def log_tail(log: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
 def _die_with_parent() -> None:
     """A worker whose launcher (or Ray task) is gone must not keep writing its partition beside a
     retry of it: the kernel kills it with its parent (Linux prctl PR_SET_PDEATHSIG)."""
