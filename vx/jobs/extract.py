@@ -181,13 +181,14 @@ def run_extract(cfg: ExtractConfig, progress: bool | None = None, reporter=None,
     if cfg.partitioned:
         cfg, out, lines, plan = _enter_partition(cfg, job, root, whole_source=source is not None)
     lengths = None  # the samples' token counts: the engine's max_model_len and step budget
-    from vx.launch.plan import engine_lengths, max_model_len_for
+    if job.backend == "vllm":
+        from vx.launch.plan import engine_lengths, max_model_len_for
 
-    if job.backend == "vllm" and (plan is not None or not cfg.max_model_len):  # no plan is made for them alone
-        lengths = engine_lengths(plan, cfg.output, job.source, job.model_dir, job.info.fingerprint, cfg.reading(),
-                                 cfg.partition_index)
-    if job.backend == "vllm" and not cfg.max_model_len:
-        cfg = replace(cfg, max_model_len=max_model_len_for(lengths, job.info.max_position_embeddings))
+        if plan is not None or not cfg.max_model_len:  # no plan is made for them alone
+            lengths = engine_lengths(plan, cfg.output, job.source, job.model_dir, job.info.fingerprint,
+                                     cfg.reading(), cfg.partition_index)
+        if not cfg.max_model_len:
+            cfg = replace(cfg, max_model_len=max_model_len_for(lengths, job.info.max_position_embeddings))
     out.reset_or_sync(cfg.overwrite)
     elsewhere = root.committed_elsewhere(exclude=out)  # other partitions, of this run or an earlier one
     with out.lock():
