@@ -57,42 +57,34 @@ def test_partition_index_in_any_order_merges_when_the_last_one_finishes(single, 
     assert_same(read(out), ref)
 
 
-def test_data_parallel_with_a_killed_partition_fails_then_its_rerun_equals_a_single_engine(single, tmp_path):
+def test_data_parallel_with_a_killed_partition_fails_then_its_rerun_as_ray_tasks_equals_a_single_engine(
+        single, tmp_path):
     """--dp 2: partition 1 is killed with SIGKILL after 2 committed chunks, so the run fails; the
-    rerun regenerates only the rest and merges one output equal to a single engine's."""
+    rerun, as Ray tasks this time (one launcher: a partition resumes wherever it runs), regenerates
+    only the rest and merges one output equal to a single engine's. Paths are relative: a task
+    runs elsewhere."""
+    ray = pytest.importorskip("ray")
     data, ref = single
     out = tmp_path / "r.jsonl"
-    args = ("regenerate", str(data), "-o", str(out), "--dp", "2", "--commit-every", "1", *ARGS)
-    killed = vx_cmd(*args, env={"VX_FAULT": "after-chunk:2", "VX_FAULT_PARTITION": "1"})
+    (tmp_path / "d.jsonl").write_bytes(data.read_bytes())
+    args = ("regenerate", "d.jsonl", "-o", "r.jsonl", "--commit-every", "1", *ARGS)
+    killed = vx_cmd(*args, "--dp", "2", env={"VX_FAULT": "after-chunk:2", "VX_FAULT_PARTITION": "1"}, cwd=tmp_path)
     assert killed.returncode == 1 and "1 of 2 partitions failed: partition 1 (exit -9" in killed.stderr, killed.stderr
     part1 = tmp_path / "r.jsonl.parts" / "part-00001-of-00002.jsonl"
     committed = read(part1)
     assert len(committed) == 2 and not out.exists()  # partition 0 finished; nothing merged without partition 1
-    r = vx_cmd(*args)
-    assert r.returncode == 0, r.stderr[-3000:]
-    s = json.loads(r.stdout)
-    assert s["conversations"] + s["skipped"] == 12 and s["skipped"] >= 2  # partition 0 and the 2 committed
-    assert len(s["partitions"]) == 2
-    assert_same(read(out), ref)
-    assert not list((tmp_path / "r.jsonl.parts").glob("*.jsonl"))  # merged parts are gone
-
-
-def test_ray_tasks_write_the_same_output(single, tmp_path):
-    ray = pytest.importorskip("ray")
-    data, ref = single
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=128 << 20, log_to_driver=False)
     try:
         address = ray.get_runtime_context().gcs_address
-        out = tmp_path / "r.jsonl"
-        (tmp_path / "d.jsonl").write_bytes(data.read_bytes())  # relative paths: a task runs elsewhere
-        r = vx_cmd("regenerate", "d.jsonl", "-o", "r.jsonl", "--ray", "--ray-address", address, *ARGS,
-                   cwd=tmp_path)
-        assert r.returncode == 0, r.stderr[-3000:]
-        s = json.loads(r.stdout)
-        assert len(s["partitions"]) == 2 and all(p["node"] for p in s["partitions"])
+        r = vx_cmd(*args, "--ray", "--ray-address", address, cwd=tmp_path)
     finally:
         ray.shutdown()
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads(r.stdout)
+    assert s["conversations"] + s["skipped"] == 12 and s["skipped"] >= 2  # partition 0 and the 2 committed
+    assert len(s["partitions"]) == 2 and all(p["node"] for p in s["partitions"])
     assert_same(read(out), ref)
+    assert not list((tmp_path / "r.jsonl.parts").glob("*.jsonl"))  # merged parts are gone
 
 
 def test_a_merge_beside_a_part_still_written_keeps_the_bad_records_it_took(tmp_path):
