@@ -262,14 +262,14 @@ def _said(out: str, what: str) -> float:
 
 def test_backpressure_never_outwaits_vllms_execute_timeout(tmp_path):
     """With tensor parallelism vLLM declares a worker dead when a step outlasts
-    VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (MultiprocExecutor). A writer stalled 20 s behind a full ring,
-    against a 5 s timeout: no step's capture waits past half of it (the step gets a buffer of its
+    VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (MultiprocExecutor). A writer stalled 10 s behind a full ring,
+    against a 5 s timeout (a wait for the stall alone would outlast it): no step's capture waits past half of it (the step gets a buffer of its
     own instead), the run completes, and its shards are byte-identical to an unstalled run's. Each
     step is four chunks here (a GPU's long steps are several): the bound is the step's, not each
     chunk's, which would add up past the timeout."""
     calm, stalled = tmp_path / "calm", tmp_path / "stalled"
     _run(calm, stall=False)
-    said = _run(stalled, stall=True, stall_s=20, chunk_rows=12, VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS="5")
+    said = _run(stalled, stall=True, stall_s=10, chunk_rows=12, VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS="5")
     assert _said(said, "spills") > 0, said  # the bound was reached: steps went on without the ring
     assert _said(said, "longest submit") < 5, said  # under the timeout (the bound is 2.5 s)
     shards = sorted(p.name for p in calm.glob("*.safetensors"))
@@ -287,7 +287,7 @@ def test_the_wait_bound_follows_the_execute_timeout_in_force():
 
 
 # A tensor-parallel engine (2 ranks; only rank 0 captures) staging through the ring, its writer
-# stalled 30 s in its second shard while vLLM's execute timeout is 10 s.
+# stalled 18 s in its second shard while vLLM's execute timeout is 10 s.
 _TP_RUN = textwrap.dedent("""
     import json, sys
     from pathlib import Path
@@ -308,8 +308,9 @@ _TP_RUN = textwrap.dedent("""
 
 def test_a_tensor_parallel_engine_outlives_a_writer_stalled_past_vllms_execute_timeout(tiny_model, tmp_path):
     """vLLM's MultiprocExecutor gives each step VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS and then declares
-    the workers dead. A TP=2 engine's writer stalls 30 s (a hung disk or a throttled S3 endpoint)
-    against a 10 s timeout, with the ring far smaller than the data behind it: the forward waits for
+    the workers dead. A TP=2 engine's writer stalls 18 s (a hung disk or a throttled S3 endpoint)
+    against a 10 s timeout (the ring fills within the stall's first seconds, so a step that waited
+    for the writer would outlast the timeout), with the ring far smaller than the data behind it: the forward waits for
     ring space at most 5 s a step and then goes on with buffers of its own, the run completes,
     every sample is stored once, and every row matches the HF reference. (10 s, not 5: in the
     suite both ranks, the engine core and the driver share one core, and a plain step once took
@@ -322,7 +323,7 @@ def test_a_tensor_parallel_engine_outlives_a_writer_stalled_past_vllms_execute_t
                                 for s in samples]))
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VX_FAULT", "VLLM_EXECUTE_MODEL"))}
-    env.update(VX_FAULT="mid-shard-write:2:stall", VX_FAULT_STALL_S="30", VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS="10")
+    env.update(VX_FAULT="mid-shard-write:2:stall", VX_FAULT_STALL_S="18", VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS="10")
     r = subprocess.run([sys.executable, "-c", _TP_RUN, str(tiny_model), str(out), str(data)], env=env,
                        capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stderr[-3000:]
