@@ -263,10 +263,10 @@ def _said(out: str, what: str) -> float:
 def test_backpressure_never_outwaits_vllms_execute_timeout(tmp_path):
     """With tensor parallelism vLLM declares a worker dead when a step outlasts
     VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (MultiprocExecutor). A writer stalled 10 s behind a full ring,
-    against a 5 s timeout (a wait for the stall alone would outlast it): no step's capture waits past half of it (the step gets a buffer of its
-    own instead), the run completes, and its shards are byte-identical to an unstalled run's. Each
-    step is four chunks here (a GPU's long steps are several): the bound is the step's, not each
-    chunk's, which would add up past the timeout."""
+    against a 5 s timeout (a wait for the stall alone would outlast it): no step's capture waits
+    past half of it (the step gets a buffer of its own instead), the run completes, and its shards
+    are byte-identical to an unstalled run's. Each step is four chunks here (a GPU's long steps are
+    several): the bound is the step's, not each chunk's, which would add up past the timeout."""
     calm, stalled = tmp_path / "calm", tmp_path / "stalled"
     _run(calm, stall=False)
     said = _run(stalled, stall=True, stall_s=10, chunk_rows=12, VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS="5")
@@ -310,11 +310,11 @@ def test_a_tensor_parallel_engine_outlives_a_writer_stalled_past_vllms_execute_t
     """vLLM's MultiprocExecutor gives each step VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS and then declares
     the workers dead. A TP=2 engine's writer stalls 18 s (a hung disk or a throttled S3 endpoint)
     against a 10 s timeout (the ring fills within the stall's first seconds, so a step that waited
-    for the writer would outlast the timeout), with the ring far smaller than the data behind it: the forward waits for
-    ring space at most 5 s a step and then goes on with buffers of its own, the run completes,
-    every sample is stored once, and every row matches the HF reference. (10 s, not 5: in the
-    suite both ranks, the engine core and the driver share one core, and a plain step once took
-    more than 5 s there.)"""
+    for the writer would outlast the timeout), with the ring far smaller than the data behind it:
+    the forward waits for ring space at most 5 s a step and then goes on with buffers of its own,
+    the run completes, every sample is stored once, and every row matches the HF reference. (10 s,
+    not 5: in the suite both ranks, the engine core and the driver share one core, and a plain step
+    once took more than 5 s there.)"""
     from test_vllm_backend import assert_matches, hf_reference, mixed_samples
 
     samples = mixed_samples(500, n=20, seed=13)  # 25 samples, 13,152 tokens, 54 MB of states: ~6x the ring
