@@ -394,3 +394,41 @@ def test_processes_spawned_from_a_vx_command_exit_without_the_final_collection_a
                            env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)])))
         assert r.returncode == 0, r.stderr[-2000:]
         assert r.stdout.split() == ["False", "True"], (run, r.stdout)  # the command: no; its spawned child: yes
+
+
+
+STARTS = '''
+import gc, multiprocessing, sys
+from vx.__main__ import run  # the vx script
+
+def child(q):
+    before = gc.isenabled()
+    from importlib.metadata import entry_points
+    for plugin in entry_points(group="vllm.general_plugins"):  # what vLLM's load_general_plugins does
+        if plugin.name == "vx":
+            plugin.load()()
+    q.put((multiprocessing.current_process().name, before, gc.isenabled()))
+
+if __name__ == "__main__":
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    for name in ("EngineCore", "VllmWorker-1", None):
+        p = ctx.Process(target=child, args=(q,), name=name)
+        p.start()
+        print(*q.get())
+        p.join()
+'''
+
+
+def test_vllms_engine_processes_spawned_from_a_vx_command_import_with_the_collector_off_until_vllm_loads_plugins(
+        tmp_path):
+    """vLLM's engine core and workers (by the names vLLM gives them) import torch, transformers and
+    vLLM with the garbage collector off, as a vx command does, and have it back once vLLM loads its
+    general plugins in them (vx's entry point, after those imports); any other process a vx command
+    spawns keeps its collector as Python starts it."""
+    (tmp_path / "starts.py").write_text(STARTS)
+    r = subprocess.run([sys.executable, str(tmp_path / "starts.py")], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)])))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split("\n")[:3] == ["EngineCore False True", "VllmWorker-1 False True",
+                                        "SpawnProcess-3 True True"], r.stdout

@@ -146,12 +146,13 @@ _starting = False  # quiet_startup() ran and startup_over() did not yet
 
 
 def quiet_startup(backstop_s: float = 120.0) -> None:
-    """A vx process's start (the CLI, a partition worker): the garbage collector is off while
-    torch, transformers and vLLM load. They create millions of objects that live as long as the
-    process, and collecting over them as they load is ~25% of their import time (measured: 10.5 ->
-    7.8 s of CPU for vLLM's engine modules). It comes back, with those objects frozen out of its
-    reach, once an engine or a model is ready or a launcher starts its loop (startup_over()), and
-    after backstop_s in any case: a long run never goes without it."""
+    """A vx process's start (the CLI, a partition worker, the engine core and workers of an engine
+    vx started: vx/engine/lifetime/fast_exit.py): the garbage collector is off while torch,
+    transformers and vLLM load. They create millions of objects that live as long as the process,
+    and collecting over them as they load is ~25% of their import time (measured: 10.5 -> 7.8 s of
+    CPU for vLLM's engine modules). It comes back, with those objects frozen out of its reach,
+    once vLLM loads its plugins in the process, an engine or a model is ready or a launcher starts
+    its loop (startup_over()), and after backstop_s in any case: a long run never goes without it."""
     global _starting
     gc.disable()
     _starting = True

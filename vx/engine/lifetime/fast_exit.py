@@ -14,14 +14,22 @@ the parent's main module first in every process it spawns (as __mp_main__; vLLM 
 core and worker on CPU, and on a GPU once CUDA is up), so the vx command that starts an engine
 reaches it. That core's finalisation took ~1.5 s of a core after vLLM's own shutdown (py-spy, 0.32:
 gc_collect_main with no Python frame left), beside the one-pass job's capture.
+
+The same hook gives vLLM's engine core and workers a vx process's quick start
+(vx.errors.quiet_startup): no garbage collection while they import torch, transformers and vLLM,
+~10 s of a core apiece on CPU, of which the collector's passes over the objects those imports
+leave were ~2 s. It comes back where vLLM loads its plugins in them, after those imports
+(EngineCore.__init__, the worker's init_worker): vx.engine.patches.register.
 """
 
 from __future__ import annotations
 
 import atexit
+import multiprocessing
 import sys
 
 _installed = False
+ENGINE_PROCESSES = ("EngineCore", "VllmWorker")  # the names vLLM gives them (v1/engine/utils.py, v1/executor/multiproc_executor.py)
 
 
 def install() -> None:
@@ -37,7 +45,12 @@ def in_spawned_child() -> None:
     """install(), while multiprocessing imports a vx command's main module in a process it spawned:
     that import runs as __mp_main__ beside the child's own __main__ (multiprocessing.spawn.prepare).
     In the command's own process __mp_main__ is absent, or (once multiprocessing is imported) an
-    alias of __main__: nothing then."""
+    alias of __main__: nothing then. In vLLM's engine core and workers, the collector is also off
+    until vLLM loads its plugins (the process's name is set before this import runs)."""
     mp_main = sys.modules.get("__mp_main__")
     if mp_main is not None and mp_main is not sys.modules.get("__main__"):
         install()
+        if multiprocessing.current_process().name.startswith(ENGINE_PROCESSES):
+            from vx.errors import quiet_startup
+
+            quiet_startup()

@@ -32,7 +32,7 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-from vx.errors import VxError
+from vx.errors import VxError, startup_over
 
 ENV = "VX_ENGINE"
 NAMES = ("hidden_state_billing", "cpu_bf16_gemm_fp32", "cpu_gdn_one_decode_indices", "cpu_gdn_spec_native_conv",
@@ -209,6 +209,9 @@ def enable() -> list[str]:
 
 
 def register() -> None:
-    """vLLM's general-plugin entry point (pyproject.toml): vx's changes in an engine vx started."""
+    """vLLM's general-plugin entry point (pyproject.toml): vx's changes in an engine vx started.
+    vLLM loads its plugins once its own modules are imported: a vx process's start-up with the
+    collector off ends here (vx.errors.startup_over; a no-op in any other process)."""
+    startup_over()
     if os.environ.get(ENV) == "1":
         install()
