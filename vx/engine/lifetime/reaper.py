@@ -38,12 +38,22 @@ def _stat(pid: int) -> tuple[int, str, int] | None:
     return int(fields[1]), fields[0].decode(), int(fields[19])
 
 
-def descendants(root: int) -> dict[int, int]:
-    """{pid: start time} of every live descendant of root."""
+def descendants(root: int, known: dict | None = None) -> dict[int, int]:
+    """{pid: start time} of every live descendant of root. `known` ({pid: (parent, start time)},
+    kept by the caller between scans) spares re-reading every process's stat on each scan: only a
+    pid new since the last listing is read (a pid reused between two scans would take the kernel's
+    whole pid space in 2 s), and a pid gone from the listing is forgotten. A process that lost its
+    parent was already found under it."""
+    known = {} if known is None else known
+    live = {int(e) for e in os.listdir("/proc") if e.isdigit()}
+    for pid in known.keys() - live:
+        del known[pid]
+    for pid in live - known.keys():
+        if (st := _stat(pid)) is not None:
+            known[pid] = (st[0], st[2])
     children: dict[int, list[tuple[int, int]]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and (st := _stat(int(entry))) is not None:
-            children.setdefault(st[0], []).append((int(entry), st[2]))
+    for pid, (parent, start) in known.items():
+        children.setdefault(parent, []).append((pid, start))
     found, todo = {}, [root]
     while todo:
         for pid, start in children.get(todo.pop(), []):
@@ -57,6 +67,7 @@ def watch(driver: int) -> None:
     me, t0, last_scan = os.getpid(), time.monotonic(), 0.0
     birth = _stat(driver)
     seen: dict[int, int] = {}
+    known: dict[int, tuple[int, int]] = {}
     while True:
         ready, _, _ = select.select([sys.stdin], [], [], TICK_S)
         if ready:
@@ -67,7 +78,7 @@ def watch(driver: int) -> None:
         if st is not None and st[1] != "Z" and birth is not None and st[2] == birth[2]:
             now = time.monotonic()
             if now - t0 < FAST_SCAN_S or now - last_scan >= SLOW_SCAN_S:
-                seen.update(descendants(driver))
+                seen.update(descendants(driver, known))
                 last_scan = now
             if not ready or line:
                 continue
