@@ -396,7 +396,6 @@ def test_processes_spawned_from_a_vx_command_exit_without_the_final_collection_a
         assert r.stdout.split() == ["False", "True"], (run, r.stdout)  # the command: no; its spawned child: yes
 
 
-
 STARTS = '''
 import gc, multiprocessing, sys
 from vx.__main__ import run  # the vx script
