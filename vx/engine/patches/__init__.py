@@ -211,7 +211,9 @@ def enable() -> list[str]:
 def register() -> None:
     """vLLM's general-plugin entry point (pyproject.toml): vx's changes in an engine vx started.
     vLLM loads its plugins once its own modules are imported: a vx process's start-up with the
-    collector off ends here (vx.errors.startup_over; a no-op in any other process)."""
-    startup_over()
+    collector off ends here (vx.errors.startup_over; a no-op in any other process). No model and no
+    engine exist yet (in the engine core and workers nothing but imports ran; in the driver, vx's
+    checks and plan, whose data reference counts free): what garbage there is is frozen uncollected."""
+    startup_over(collect=False)
     if os.environ.get(ENV) == "1":
         install()
