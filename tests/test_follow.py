@@ -110,11 +110,11 @@ def test_a_retain_bound_smaller_than_a_window_is_named_instead_of_a_silent_deadl
         while not (manifest.exists() and manifest.stat().st_size):  # its first shard: the writer is past its start
             assert ex.poll() is None, (tmp_path / "extract.log").read_text()[-2000:]
             time.sleep(0.1)
-        # the reader names the bound once nothing new came for half its follow_timeout (here 30 s:
+        # the reader names the bound once nothing new came for half its follow_timeout (here 10 s:
         # the writer, past its start, commits a shard every second or less until it is held)
         with pytest.raises(vx.errors.UsageError, match=r"--retain-gb 0.0003 lets each of its 1 writers hold .* "
                                                        r"raise --retain-gb, lower shuffle_shards"):
-            list(vx.loader(str(tmp_path / "out"), 400, follow=True, shuffle_shards=40, follow_timeout=60))
+            list(vx.loader(str(tmp_path / "out"), 400, follow=True, shuffle_shards=40, follow_timeout=20))
         assert ex.poll() is None  # the extraction waits for readers: nothing unconsumed was deleted
         assert not (tmp_path / "out" / "dropped.jsonl").exists()
     finally:
