@@ -20,7 +20,7 @@ import torch
 from vx import faults
 from vx.data.samples import Sample
 from vx.device import cpu_has_bf16, cuda_available
-from vx.errors import UsageError, raise_if_stopped, startup_over
+from vx.errors import UsageError, imports_over, raise_if_stopped, startup_over
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -81,6 +81,7 @@ def load_hf_model(path, dtype: str = "auto", device: str | None = None):
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    imports_over()  # the collection once the model is loaded passes over the load's objects only
     device = device or ("cuda" if cuda_available() else "cpu")
     if dtype == "auto" and device == "cpu" and not cpu_has_bf16():
         dtype = "float32"

@@ -142,7 +142,7 @@ def run_workers(count: int, slots: list[dict], start, tally: Tally,
     finished, reason of each that failed); on an exception every running worker is killed.
     A failed partition leaves the others to finish their work, unless stop_others (why) is given:
     then they are stopped as Ctrl-C stops a run (committed work kept) and none is started."""
-    startup_over()  # this process loads no engine: its start-up is over (vx.errors.quiet_startup)
+    startup_over(collect=False)  # this process loads no engine: its start-up (imports, the plan) is over
     events: queue.Queue = queue.Queue()
     todo = list(range(count))
     running: dict[int, tuple] = {}  # slot -> (proc, partition, start, log, stdout reader)
