@@ -397,18 +397,20 @@ def test_processes_spawned_from_a_vx_command_exit_without_the_final_collection_a
 
 
 STARTS = '''
-import gc, multiprocessing, sys
-from vx.__main__ import run  # the vx script
+import gc, multiprocessing
+
 
 def child(q):
+    import vx.engine.lifetime.fast_exit as quick
     before = gc.isenabled()
     from importlib.metadata import entry_points
     for plugin in entry_points(group="vllm.general_plugins"):  # what vLLM's load_general_plugins does
         if plugin.name == "vx":
             plugin.load()()
-    q.put((multiprocessing.current_process().name, before, gc.isenabled()))
+    q.put((multiprocessing.current_process().name, before, gc.isenabled(), quick._installed))
 
-if __name__ == "__main__":
+
+def spawn():  # as vLLM starts its engine core and workers on CPU
     ctx = multiprocessing.get_context("spawn")
     q = ctx.Queue()
     for name in ("EngineCore", "VllmWorker-1", None):
@@ -418,16 +420,38 @@ if __name__ == "__main__":
         p.join()
 '''
 
+AS_SCRIPT = '''
+from vx.__main__ import run  # what the vx script is
+
+if __name__ == "__main__":
+    from starts import spawn
+    spawn()
+'''
+
+AS_MODULE = '''
+import runpy, sys
+import vx.cli
+from starts import spawn
+
+vx.cli.entry = spawn  # the command: it spawns
+sys.argv = ["vx"]
+runpy.run_module("vx", run_name="__main__", alter_sys=True)  # what python -m vx does
+'''
+
 
 def test_vllms_engine_processes_spawned_from_a_vx_command_import_with_the_collector_off_until_vllm_loads_plugins(
         tmp_path):
     """vLLM's engine core and workers (by the names vLLM gives them) import torch, transformers and
     vLLM with the garbage collector off, as a vx command does, and have it back once vLLM loads its
     general plugins in them (vx's entry point, after those imports); any other process a vx command
-    spawns keeps its collector as Python starts it."""
+    spawns keeps its collector as Python starts it. Each has the quick exit. From the `vx` script and
+    from `python -m vx` alike (multiprocessing skips a main module named *.__main__ in its children)."""
     (tmp_path / "starts.py").write_text(STARTS)
-    r = subprocess.run([sys.executable, str(tmp_path / "starts.py")], cwd=tmp_path, capture_output=True, text=True,
-                       timeout=300, env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)])))
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.split("\n")[:3] == ["EngineCore False True", "VllmWorker-1 False True",
-                                        "SpawnProcess-3 True True"], r.stdout
+    (tmp_path / "as_script.py").write_text(AS_SCRIPT)
+    (tmp_path / "as_module.py").write_text(AS_MODULE)
+    for script in ("as_script.py", "as_module.py"):
+        r = subprocess.run([sys.executable, str(tmp_path / script)], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=300, env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)])))
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert r.stdout.split("\n")[:3] == ["EngineCore False True True", "VllmWorker-1 False True True",
+                                            "SpawnProcess-3 True True True"], (script, r.stdout)

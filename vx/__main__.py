@@ -29,4 +29,9 @@ def run() -> None:
 
 
 if __name__ == "__main__":
+    # `python -m vx`: the processes multiprocessing spawns (vLLM's engine core and workers) skip a
+    # main module named *.__main__ (CPython's multiprocessing.spawn._fixup_main_from_name), so they
+    # would never run in_spawned_child() above: no quick start, no quick exit. Without a spec they
+    # run this file by its path first, as they run the `vx` script.
+    __spec__ = None
     run()
