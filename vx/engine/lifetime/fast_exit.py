@@ -12,8 +12,10 @@ A regeneration's engine core loads no vx code of its own (no connector): `in_spa
 called where a vx command's main module loads, installs it there. Python's multiprocessing imports
 the parent's main module first in every process it spawns (as __mp_main__; vLLM spawns its engine
 core and worker on CPU, and on a GPU once CUDA is up), so the vx command that starts an engine
-reaches it. That core's finalisation took ~1.5 s of a core after vLLM's own shutdown (py-spy, 0.32:
-gc_collect_main with no Python frame left), beside the one-pass job's capture.
+reaches it (under `python -m vx` too: vx/__main__.py drops its module spec, since multiprocessing
+skips a main module named *.__main__). That core's finalisation took ~1.5 s of a core after
+vLLM's own shutdown (py-spy, 0.32: gc_collect_main with no Python frame left), beside the
+one-pass job's capture.
 
 The same hook gives vLLM's engine core and workers a vx process's quick start
 (vx.errors.quiet_startup): no garbage collection while they import torch, transformers and vLLM,
