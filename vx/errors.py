@@ -161,28 +161,25 @@ def quiet_startup(backstop_s: float = 120.0) -> None:
     timer.start()
 
 
-def startup_over(collect: bool = True) -> None:
+def startup_over() -> None:
     """The start-up is over: its garbage is collected once, what lives on is frozen (never scanned
     again) and the collector is back on. No-op in a process that did not call quiet_startup() (vx
-    used as a library). collect=False where nothing but imports and small work ran (vLLM loading its
-    plugins, a launcher starting its loop): their garbage, cycles the import machinery and the
-    libraries' module code leave (~18k objects, ~13 MB), is frozen with the rest instead of found
-    by a pass over every object (0.4-0.7 s of a core per process, measured in vLLM's engine core,
-    its worker and the driver)."""
+    used as a library). After imports_over() the collection passes over what was made since."""
     global _starting
     if _starting:
         _starting = False
-        if collect:
-            gc.collect()  # the start-up's finalizers (__del__) run here: a stop may be swallowed in one,
-        gc.freeze()  # and the caller takes it up (raise_if_stopped)
+        gc.collect()  # the start-up's finalizers (__del__) run here: a stop may be swallowed in one, and
+        gc.freeze()  # the caller takes it up (raise_if_stopped)
         gc.enable()
 
 
 def imports_over() -> None:
-    """The start-up's imports are done and work that may leave garbage worth collecting (a model's
-    load) comes next: what exists now is frozen uncollected, so that startup_over()'s collection
-    passes over what was made since (thousands of objects), not over the ~1 M the imports left
-    (0.4 s of a core for torch and transformers). Their garbage (~20k objects, ~13 MB) stays."""
+    """The start-up's imports are done: what exists now is frozen uncollected, so that
+    startup_over()'s collection passes over what was made since (a model's load: thousands of
+    objects; where vLLM loads its plugins or a launcher starts its loop: none), not over the ~1 M
+    the imports left (0.4-0.7 s of a core per process for torch, transformers and vLLM, measured in
+    the HF backend, vLLM's engine core, its worker and the driver). Their garbage, cycles the
+    import machinery and the libraries' module code leave (~20k objects, ~13 MB), stays."""
     if _starting:
         gc.freeze()
 

@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-from vx.errors import VxError, raise_if_stopped, startup_over
+from vx.errors import VxError, imports_over, raise_if_stopped, startup_over
 from vx.monitor.progress import RunProgress
 
 GROUP_EXIT_S = 30.0  # a finished worker's engine processes get this long after SIGTERM, then SIGKILL
@@ -142,7 +142,8 @@ def run_workers(count: int, slots: list[dict], start, tally: Tally,
     finished, reason of each that failed); on an exception every running worker is killed.
     A failed partition leaves the others to finish their work, unless stop_others (why) is given:
     then they are stopped as Ctrl-C stops a run (committed work kept) and none is started."""
-    startup_over(collect=False)  # this process loads no engine: its start-up (imports, the plan) is over
+    imports_over()  # this process loads no engine: its start-up (imports, the plan) is over
+    startup_over()
     events: queue.Queue = queue.Queue()
     todo = list(range(count))
     running: dict[int, tuple] = {}  # slot -> (proc, partition, start, log, stdout reader)

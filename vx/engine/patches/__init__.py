@@ -32,7 +32,7 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-from vx.errors import VxError, startup_over
+from vx.errors import VxError, imports_over, startup_over
 
 ENV = "VX_ENGINE"
 NAMES = ("hidden_state_billing", "cpu_bf16_gemm_fp32", "cpu_gdn_one_decode_indices", "cpu_gdn_spec_native_conv",
@@ -214,6 +214,7 @@ def register() -> None:
     collector off ends here (vx.errors.startup_over; a no-op in any other process). No model and no
     engine exist yet (in the engine core and workers nothing but imports ran; in the driver, vx's
     checks and plan, whose data reference counts free): what garbage there is is frozen uncollected."""
-    startup_over(collect=False)
+    imports_over()
+    startup_over()
     if os.environ.get(ENV) == "1":
         install()
